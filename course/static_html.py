@@ -26,9 +26,9 @@ VENDOR_SUBDIR = "_vendor"
 # are copied whole; the widget manager's dist/ holds embed-amd.js and the icon fonts it uses.
 _FILES = [
     ("requirejs/require.js", "require.js"),
-    ("requirejs/README.md", "requirejs.README.md"),
+    ("requirejs/package.json", "requirejs.package.json"),  # name, version, licence
     ("@jupyter-widgets/html-manager/dist/embed-amd.js", "html-manager/embed-amd.js"),
-    ("@jupyter-widgets/html-manager/LICENSE", "html-manager/LICENSE"),
+    ("@jupyter-widgets/html-manager/package.json", "html-manager/package.json"),
     ("mathjax/es5/tex-chtml-full.js", "mathjax/tex-chtml-full.js"),
     ("mathjax/es5/output/chtml/fonts/woff-v2", "mathjax/output/chtml/fonts/woff-v2"),
     ("mathjax/LICENSE", "mathjax/LICENSE"),
@@ -36,14 +36,27 @@ _FILES = [
 _FONT_SUFFIXES = (".woff2", ".woff", ".ttf", ".eot", ".svg")
 
 _TEMPLATE = r"""{%- extends 'index.html.j2' -%}
+{%- block extra_css -%}
+<style>/* widgets inherit JupyterLab's UI font; a static page has none, so labels would be serif */
+.jupyter-widgets { font-family: var(--jp-ui-font-family); font-size: var(--jp-ui-font-size1); }
+</style>
+{%- endblock extra_css -%}
 {%- block html_head_js_mathjax -%}
 <script>
-window.MathJax = {
-  tex: {inlineMath: [['$', '$'], ['\\(', '\\)']], displayMath: [['$$', '$$'], ['\\[', '\\]']],
-        processEscapes: true, processEnvironments: true, tags: 'ams'},
-  options: {ignoreHtmlClass: 'jp-OutputArea-output|jp-CodeCell', processHtmlClass: 'jp-MarkdownOutput'},
-  chtml: {fontURL: '""" + VENDOR_SUBDIR + r"""/mathjax/output/chtml/fonts/woff-v2'}
-};
+// The widget manager typesets labels with the MathJax 2 call MathJax.Hub.Queue(["Typeset", Hub, el]);
+// this Hub forwards it to MathJax 3 (before MathJax is ready, the first page typeset covers it).
+(function () {
+  var hub = {Queue: function (cmd) {
+    if (window.MathJax && MathJax.typesetPromise) MathJax.typesetPromise(cmd && cmd[2] ? [cmd[2]] : undefined);
+  }};
+  window.MathJax = {
+    tex: {inlineMath: [['$', '$'], ['\\(', '\\)']], displayMath: [['$$', '$$'], ['\\[', '\\]']],
+          processEscapes: true, processEnvironments: true, tags: 'ams'},
+    chtml: {fontURL: '""" + VENDOR_SUBDIR + r"""/mathjax/output/chtml/fonts/woff-v2'},
+    startup: {ready: function () { MathJax.startup.defaultReady(); MathJax.Hub = hub; }},
+    Hub: hub
+  };
+}());
 </script>
 <script src="{{ resources.mathjax_url }}" defer></script>
 {%- endblock html_head_js_mathjax -%}

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -57,15 +59,40 @@ def _resolve(name: str) -> str:
     return HUB_MODELS.get(name.lower(), name)
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Can we open a connection to the Hugging Face hub? False at once when HF_HUB_OFFLINE=1."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}:
+        return False
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _offline_error(name: str, cause: str) -> ModelUnavailableError:
+    return ModelUnavailableError(
+        f"cannot load {name!r}: {cause}. The default model {DEFAULT_MODEL!r} works offline: "
+        f"course.load_model() (or course.load_model({DEFAULT_MODEL!r}))."
+    )
+
+
 def _from_hub(loader, repo: str, name: str, **kwargs):
+    """Load from the local HF cache or the hub; fail fast, naming the offline default, when neither has it."""
+    try:  # a model downloaded earlier loads from the local cache even offline
+        return loader(repo, local_files_only=True, **kwargs)
+    except (OSError, ValueError):
+        pass
+    if not hub_reachable():
+        raise _offline_error(name, "the Hugging Face hub cannot be reached from here (offline?)") from None
     try:
         return loader(repo, **kwargs)
-    except (OSError, ValueError) as e:  # transformers raises OSError when the hub cannot be reached
-        raise ModelUnavailableError(
-            f"could not load {name!r} from the Hugging Face hub (offline, or no such model?). "
-            f"The default model {DEFAULT_MODEL!r} works offline: course.load_model() or "
-            f"course.load_model({DEFAULT_MODEL!r}).\n  cause: {type(e).__name__}: {str(e)[:300]}"
-        ) from None
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise _offline_error(name, f"the hub did not provide it ({first_line})") from None
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL):

@@ -14,6 +14,7 @@ The cost is one drawing per combination, hence the `max_states` limit.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -21,8 +22,10 @@ from html import escape
 from typing import Any
 
 import ipywidgets as widgets
+from ipywidgets.widgets.widget_link import Link  # what jslink returns
 
 MAX_STATES = 2000  # each state is an HTML string saved in the notebook; keep pages light
+MAX_CHARS = 20_000_000  # all states together; a notebook much bigger than this is slow to open
 
 
 class Explorer(widgets.VBox):
@@ -38,7 +41,7 @@ class Explorer(widgets.VBox):
         self.options: list[list[Any]] = options
         self.controls: dict[str, widgets.ValueWidget] = controls
         self.states: dict[tuple[int, ...], widgets.HTML] = states
-        self.links: list[widgets.Link] = links
+        self.links: list[Link] = links
         self.stack: widgets.Stack = stack
 
     def html_at(self, **values: Any) -> str:
@@ -58,13 +61,15 @@ def explorer(
     labels: Mapping[str, str] | None = None,
     *,
     max_states: int = MAX_STATES,
+    max_chars: int = MAX_CHARS,
 ) -> Explorer:
     """A widget that shows `render(**values)` for the values picked on one control per key.
 
     `controls` maps each keyword of `render` to the values it can take, in order; the first
     combination is shown initially. `labels` optionally maps a keyword to the control's caption.
     Numbers get a slider, a few short choices get toggle buttons, anything else a dropdown.
-    `render` is called once per combination (at most `max_states`) and must return HTML.
+    `render` is called once per combination (at most `max_states`) and must return HTML;
+    all drawings together may hold at most `max_chars` characters (they are saved in the notebook).
     """
     if not isinstance(controls, Mapping) or not controls:
         raise ValueError("controls must be a non-empty dict of name -> sequence of values")
@@ -83,16 +88,28 @@ def explorer(
             "use fewer values per control (every state is drawn ahead of time and saved)"
         )
     labels = dict(labels or {})
+    # Draw everything first, so a failing render leaves no half-built widgets in the kernel.
+    drawings: dict[tuple[int, ...], str] = {}
+    total_chars = 0
+    for key in itertools.product(*(range(len(o)) for o in options)):
+        html = render(**{n: options[i][j] for i, (n, j) in enumerate(zip(names, key))})
+        if not isinstance(html, str):
+            raise TypeError(f"render must return an HTML str, got {type(html).__name__}")
+        total_chars += len(html)
+        if total_chars > max_chars:
+            raise ValueError(
+                f"render drew more than max_chars={max_chars} characters over {len(drawings) + 1} of "
+                f"{n_states} states: draw less per state (e.g. fewer SVG elements) or use fewer states"
+            )
+        drawings[key] = html
+
     control_widgets = {n: _control(labels.get(n, n), o) for n, o in zip(names, options)}
-    states: dict[tuple[int, ...], widgets.HTML] = {}
-    links: list[widgets.Link] = []
+    states = {key: widgets.HTML(html) for key, html in drawings.items()}
+    links: list[Link] = []
 
     def build(level: int, chosen: tuple[int, ...]) -> widgets.Widget:
+        """The stack over control `level` given the earlier choices, or the drawing at the bottom."""
         if level == len(names):
-            html = render(**{n: options[i][j] for i, (n, j) in enumerate(zip(names, chosen))})
-            if not isinstance(html, str):
-                raise TypeError(f"render must return an HTML str, got {type(html).__name__}")
-            states[chosen] = widgets.HTML(html)
             return states[chosen]
         children = [build(level + 1, chosen + (j,)) for j in range(len(options[level]))]
         stack = widgets.Stack(children=children, selected_index=0)
