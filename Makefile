@@ -8,6 +8,7 @@ STAMP   := $(VENV)/.installed
 VENDOR  := assets/vendor
 JOBS    ?= 1
 PORT    ?= 8888
+LAB_ARGS ?=
 
 .PHONY: setup lab test test-fast release grade html vendor browser clean help
 .DEFAULT_GOAL := help
@@ -46,8 +47,11 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
+# LAB_ARGS: extra JupyterLab options, e.g. LAB_ARGS="--IdentityProvider.token=secret" (the tests use it).
+# As root (containers, CI) JupyterLab refuses to start without --allow-root.
 lab: setup
-	$(BIN)/jupyter lab --notebook-dir=labs --ip=127.0.0.1 --port=$(PORT)
+	$(BIN)/jupyter lab --notebook-dir=labs --ip=127.0.0.1 --port=$(PORT) \
+	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 test: setup vendor browser
 	COURSE_QUICK=1 $(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)

@@ -1,0 +1,184 @@
+"""Every lab in labs/, end to end, as nbgrader will treat it.
+
+Static (fast): sources carry no outputs or widget state, and have the shape nbgrader scores right.
+Per lab (slow, quick mode): (a) the source runs top to bottom and passes all its tests, hidden ones
+included, with no stderr, within TIME_LIMIT_S; the executed notebook goes to build/executed/ for
+the site. (b) its release leaks no solution or hidden test and stores no outputs. (c) its release,
+run as a student receives it, fails every test cell, while setup and model loading still work.
+Labs are found at collection time, so a new lab folder is covered without editing this file.
+
+xdist: a lab's source run and its release run are separate groups, so the two workers can take
+them side by side; (b) and (c) share one generated release in the same group.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_output
+from nbgrader.api import Gradebook
+
+from autograder import LABS, REPO, authoring, checks, lab_names, lab_notebook
+from autograder.release import generate_release
+
+LAB_NAMES = lab_names()
+SOURCES = sorted(p for p in LABS.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+EXECUTED = REPO / "build" / "executed"
+TIME_LIMIT_S = 180
+
+
+def _per_lab(group: str) -> list:
+    """One parameter per lab, each in xdist group '<lab>:<group>'."""
+    return [pytest.param(lab, marks=pytest.mark.xdist_group(f"{lab}:{group}"), id=lab) for lab in LAB_NAMES]
+
+
+@pytest.fixture(scope="session")
+def released(tmp_path_factory):
+    """`released(lab)` -> the lab's release notebook, generated once per worker into a temp folder
+    without a gradebook, so tests never touch autograder/release/ or autograder/gradebook.db."""
+    root = tmp_path_factory.mktemp("release")
+    made: dict[str, Path] = {}
+
+    def get(lab: str) -> Path:
+        if lab not in made:
+            made[lab] = generate_release(lab, release_dir=root, gradebook=None)
+        return made[lab]
+
+    return get
+
+
+# --- static checks -------------------------------------------------------------------------------
+
+def test_there_are_labs():
+    assert LAB_NAMES, f"no labs in {LABS}: each lab is a folder NN_name/ holding NN_name.ipynb"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=[str(p.relative_to(LABS)) for p in SOURCES])
+def test_source_in_git_stores_no_outputs(path):
+    stored = checks.stored_state(nbformat.read(path, as_version=4))
+    assert not stored, f"{path} stores outputs or widget state (they leak into releases); " \
+                       f"run `python -m autograder.release` to strip them:\n" + "\n".join(stored)
+
+
+@pytest.mark.parametrize("lab", LAB_NAMES)
+def test_source_has_nbgrader_shape(lab):
+    problems = checks.static_problems(nbformat.read(lab_notebook(lab), as_version=4))
+    assert not problems, f"{lab}:\n" + "\n".join(problems)
+
+
+# --- each lab, executed --------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lab", _per_lab("source"))
+def test_source_runs_and_passes_its_tests(lab):
+    start = time.perf_counter()
+    nb = checks.execute_notebook(lab_notebook(lab), EXECUTED / f"{lab}.ipynb")
+    seconds = time.perf_counter() - start
+    print(f"{lab}: source executed in {seconds:.1f} s (quick mode)")
+    assert checks.graded_cells(nb), f"{lab} has no autograded test cells"
+    assert not checks.error_cells(nb), f"{lab}: cells raised: {checks.error_cells(nb)}"
+    assert not checks.cell_failures(nb), f"{lab}: nbgrader would not give full points: {checks.cell_failures(nb)}"
+    assert seconds < TIME_LIMIT_S, f"{lab} took {seconds:.0f} s in quick mode; the budget is {TIME_LIMIT_S} s"
+
+
+@pytest.mark.parametrize("lab", _per_lab("release"))
+def test_release_leaks_nothing(lab, released):
+    release_nb = nbformat.read(released(lab), as_version=4)
+    leaks = checks.release_leaks(release_nb, nbformat.read(lab_notebook(lab), as_version=4))
+    assert not leaks, f"{lab}: the release shows solution or hidden-test text:\n" + "\n".join(leaks)
+    assert not checks.stored_state(release_nb), checks.stored_state(release_nb)
+    data = {p.relative_to(LABS / lab) for p in (LABS / lab).rglob("*") if p.is_file() and p.suffix != ".ipynb"
+            and ".ipynb_checkpoints" not in p.parts and "__pycache__" not in p.parts}
+    missing = [str(p) for p in data if not (released(lab).parent / p).is_file()]
+    assert not missing, f"{lab}: data files not copied into the release: {missing}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lab", _per_lab("release"))
+def test_release_fails_every_test_as_released(lab, released):
+    start = time.perf_counter()
+    problems = checks.release_as_released(released(lab))
+    print(f"{lab}: release executed in {time.perf_counter() - start:.1f} s")
+    assert not problems, f"{lab} as released:\n" + "\n".join(f"{k}: {v}" for k, v in problems.items())
+
+
+# --- the checks themselves, on a small fixture lab ------------------------------------------------
+
+def _fixture_lab(labs: Path, always_passing_test: bool = False) -> Path:
+    """labs/00_fixture: setup, one solution, its test (visible + hidden), a data file."""
+    cells = [
+        authoring.md("# Fixture lab"),
+        authoring.locked("setup", "import course\nenv = course.setup()"),
+        authoring.solution("square", "def square(x):\n    ### BEGIN SOLUTION\n    return x * x\n    ### END SOLUTION"),
+        authoring.tests("square_tests", 2, "assert square(3) == 9, 'square(3) is 9'\n"
+                                 "### BEGIN HIDDEN TESTS\nassert square(-2) == 4, 'square(-2) is 4'\n### END HIDDEN TESTS"),
+    ]
+    if always_passing_test:  # passes with the stub too; also proves COURSE_QUICK reaches the kernel
+        cells.append(authoring.tests("quick_mode", 1, "assert env.quick, 'COURSE_QUICK=1 did not reach the kernel'"))
+    path = authoring.write_notebook(labs / "00_fixture" / "00_fixture.ipynb", cells)
+    (path.parent / "data.txt").write_text("1 2 3\n")
+    return path
+
+
+def _release_fixture(tmp_path: Path, gradebook: Path | None = None, **kw) -> tuple[Path, Path]:
+    source = _fixture_lab(tmp_path / "labs", **kw)
+    return source, generate_release("00_fixture", tmp_path / "labs", tmp_path / "release", gradebook)
+
+
+def test_release_of_fixture_is_clean_and_leak_check_catches_leaks(tmp_path):
+    source_path, release_path = _release_fixture(tmp_path, gradebook=tmp_path / "gradebook.db")
+    source, release = (nbformat.read(p, as_version=4) for p in (source_path, release_path))
+    with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gb:  # what autograde will need
+        assert [c.name for c in gb.find_notebook("00_fixture", "00_fixture").grade_cells] == ["square_tests"]
+    assert (release_path.parent / "data.txt").is_file()
+    assert "raise NotImplementedError()" in release.cells[2].source
+    assert checks.release_leaks(release, source) == []
+    leaked = checks.release_leaks(source, source)  # the source itself is the worst possible release
+    assert any("return x * x" in s for s in leaked) and any("square(-2)" in s for s in leaked)
+    assert any("BEGIN SOLUTION" in s for s in leaked) and any("HIDDEN TESTS" in s for s in leaked)
+
+
+def test_release_strips_widget_state_and_outputs(tmp_path):
+    source_path = _fixture_lab(tmp_path / "labs")
+    nb = nbformat.read(source_path, as_version=4)
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    nb.cells[1].outputs = [new_output("stream", name="stdout", text="torch ...")]
+    nbformat.write(nb, source_path)
+    release_path = generate_release("00_fixture", tmp_path / "labs", tmp_path / "release", gradebook=None)
+    assert checks.stored_state(nbformat.read(release_path, as_version=4)) == []
+
+
+def test_static_problems_catch_bad_shapes(tmp_path):
+    nb = nbformat.read(_fixture_lab(tmp_path / "labs"), as_version=4)
+    assert checks.static_problems(nb) == []
+    nb.cells[3].source += "\nsquare(2) == 4"            # a value as last line: partial credit
+    nb.cells[3].metadata.nbgrader["points"] = 0
+    nb.cells[2].source = "def square(x):\n    return x * x"  # markers gone
+    nb.cells.append(new_code_cell("print(1)", metadata={"nbgrader": dict(nb.cells[2].metadata.nbgrader)}))
+    nb.cells[1].metadata.nbgrader["locked"] = False
+    nb.metadata["widgets"] = {}
+    problems = "\n".join(checks.static_problems(nb))
+    for expected in ("ends in a value", "points > 0", "needs '### BEGIN SOLUTION'", "used 2 times",
+                     "locked setup cell", "metadata.widgets"):
+        assert expected in problems, f"{expected!r} not reported in:\n{problems}"
+
+
+def test_cell_failures_report_errors_stderr_and_partial_credit(tmp_path):
+    nb = nbformat.read(_fixture_lab(tmp_path / "labs"), as_version=4)
+    test_cell = nb.cells[3]
+    assert checks.cell_failures(nb) == {}  # no outputs: nbgrader gives full points
+    test_cell.outputs = [new_output("stream", name="stderr", text="UserWarning: something")]
+    assert "stderr" in checks.cell_failures(nb)["square_tests"]
+    test_cell.outputs = [new_output("error", ename="AssertionError", evalue="square(3) is 9", traceback=[])]
+    assert "AssertionError" in checks.cell_failures(nb)["square_tests"]
+    test_cell.outputs = [new_output("execute_result", data={"text/plain": "0.5"}, execution_count=1)]
+    assert "partial credit" in checks.cell_failures(nb)["square_tests"]
+
+
+@pytest.mark.slow
+def test_release_as_released_flags_a_test_the_stubs_pass(tmp_path):
+    _, release_path = _release_fixture(tmp_path, always_passing_test=True)
+    problems = checks.release_as_released(release_path)
+    assert list(problems) == ["quick_mode"], problems  # square_tests fails with the stub, as it must
