@@ -66,14 +66,17 @@ def test_widgets_work_offline_in_static_html(page_file, tmp_path):
         token, grid = outputs.nth(0), outputs.nth(1)
         token.locator("text=top-5 hold").wait_for(timeout=30_000)
 
-        # the initial state is temperature 0.1, drawn exactly as Python computed it
-        assert PROB.findall(token.inner_text()) == probabilities(0.1)
+        # the widget opens at temperature 1.0, drawn exactly as Python computed it
+        assert PROB.findall(token.inner_text()) == probabilities(1.0)
 
         # move the slider one step with the keyboard: the front-end link switches the state
         token.locator(".noUi-handle").first.press("ArrowRight")
-        token.locator("text=(temperature 0.3)").wait_for(timeout=5_000)
-        assert PROB.findall(token.inner_text()) == probabilities(0.3)
-        assert "0.3" in token.locator(".widget-readout").first.inner_text()
+        token.locator("text=(temperature 2)").wait_for(timeout=5_000)
+        assert PROB.findall(token.inner_text()) == probabilities(2.0)
+        assert "2" in token.locator(".widget-readout").first.inner_text()
+        token.locator(".noUi-handle").first.press("Home")
+        token.locator("text=(temperature 0.1)").wait_for(timeout=5_000)
+        assert PROB.findall(token.inner_text()) == probabilities(0.1)
 
         # two controls, nested stacks: both links must work, in any order
         assert grid.locator(".probe").inner_text() == "step 0 / fcfs"

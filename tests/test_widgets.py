@@ -155,3 +155,19 @@ def test_token_widget_rejects_bad_temperatures(temps, match):
 def test_token_widget_rejects_bad_tables(rows, match):
     with pytest.raises(ValueError, match=r"table_fn\(1\).*" + match):
         next_token_explorer(lambda t: rows, temperatures=[1.0])
+
+
+def test_explorer_can_open_on_a_chosen_state():
+    w = explorer(lambda step, mode: f"<p>{step}:{mode}</p>", {"step": [0, 1, 2], "mode": ["fcfs", "sjf"]},
+                 initial={"mode": "sjf", "step": 2})
+    assert w.shown_html() == "<p>2:sjf</p>"
+    assert w.stack.selected_index == 2
+    with pytest.raises(ValueError, match=r"initial\['mode'\]"):
+        explorer(lambda mode: "", {"mode": ["a"]}, initial={"mode": "b"})
+    with pytest.raises(ValueError, match="no control of that name"):
+        explorer(lambda mode: "", {"mode": ["a"]}, initial={"speed": 1})
+
+
+def test_token_widget_opens_at_temperature_one():
+    w = next_token_explorer(lambda t: [("a", 0.5)], temperatures=[0.5, 1.0, 2.0])
+    assert "(temperature 1)" in w.shown_html()

@@ -60,13 +60,15 @@ def explorer(
     title: str = "",
     labels: Mapping[str, str] | None = None,
     *,
+    initial: Mapping[str, Any] | None = None,
     max_states: int = MAX_STATES,
     max_chars: int = MAX_CHARS,
 ) -> Explorer:
     """A widget that shows `render(**values)` for the values picked on one control per key.
 
     `controls` maps each keyword of `render` to the values it can take, in order; the first
-    combination is shown initially. `labels` optionally maps a keyword to the control's caption.
+    combination is shown initially unless `initial` maps some keywords to the values to start
+    at. `labels` optionally maps a keyword to the control's caption.
     Numbers get a slider, a few short choices get toggle buttons, anything else a dropdown.
     `render` is called once per combination (at most `max_states`) and must return HTML;
     all drawings together may hold at most `max_chars` characters (they are saved in the notebook).
@@ -88,6 +90,13 @@ def explorer(
             "use fewer values per control (every state is drawn ahead of time and saved)"
         )
     labels = dict(labels or {})
+    start = [0] * len(names)
+    for name, value in dict(initial or {}).items():
+        if name not in names:
+            raise ValueError(f"initial[{name!r}]: no control of that name; controls are {names}")
+        if value not in options[names.index(name)]:
+            raise ValueError(f"initial[{name!r}] = {value!r} is not one of controls[{name!r}]")
+        start[names.index(name)] = options[names.index(name)].index(value)
     # Draw everything first, so a failing render leaves no half-built widgets in the kernel.
     drawings: dict[tuple[int, ...], str] = {}
     total_chars = 0
@@ -103,7 +112,7 @@ def explorer(
             )
         drawings[key] = html
 
-    control_widgets = {n: _control(labels.get(n, n), o) for n, o in zip(names, options)}
+    control_widgets = {n: _control(labels.get(n, n), o, i0) for n, o, i0 in zip(names, options, start)}
     states = {key: widgets.HTML(html) for key, html in drawings.items()}
     links: list[Link] = []
 
@@ -112,7 +121,7 @@ def explorer(
         if level == len(names):
             return states[chosen]
         children = [build(level + 1, chosen + (j,)) for j in range(len(options[level]))]
-        stack = widgets.Stack(children=children, selected_index=0)
+        stack = widgets.Stack(children=children, selected_index=start[level])
         links.append(widgets.jslink((control_widgets[names[level]], "index"), (stack, "selected_index")))
         return stack
 
@@ -132,10 +141,10 @@ def _label(value: Any) -> str:
     return str(value)
 
 
-def _control(description: str, values: list[Any]) -> widgets.ValueWidget:
+def _control(description: str, values: list[Any], index: int = 0) -> widgets.ValueWidget:
     """The control for one keyword; its `index` (an int) is what gets jslinked."""
     opts = [(_label(v), v) for v in values]
-    common = dict(options=opts, index=0, description=description, style={"description_width": "initial"})
+    common = dict(options=opts, index=index, description=description, style={"description_width": "initial"})
     numeric = all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values)
     if numeric and len(values) > 1:
         return widgets.SelectionSlider(**common, continuous_update=True, layout=widgets.Layout(width="440px"))

@@ -43,7 +43,8 @@ def next_token_explorer(
         summary = f"top-{len(rows)} hold {100 * mass:.1f}% of the probability (temperature {temperature:g})"
         return head + bar_table(rows, max_value=1.0) + note(summary)
 
-    return explorer(render, {"temperature": temps}, title="Next-token distribution")
+    start = {"temperature": 1.0} if 1.0 in temps else None  # open on the model's own distribution
+    return explorer(render, {"temperature": temps}, title="Next-token distribution", initial=start)
 
 
 def _check_temperatures(temperatures: Sequence[float]) -> list[float]:
