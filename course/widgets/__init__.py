@@ -3,6 +3,7 @@
 Every widget is built with `explorer()` (see explorer.py for why: precomputed states that
 front-end links switch between). Drawing helpers live in `course.widgets.html`.
 """
+from .batch_timeline import batch_timeline
 from .explorer import MAX_STATES, Explorer, explorer
 from .html import bar_table, cell_grid, legend, show_token
 from .token_distribution import next_token_explorer
@@ -11,6 +12,7 @@ __all__ = [
     "MAX_STATES",
     "Explorer",
     "bar_table",
+    "batch_timeline",
     "cell_grid",
     "explorer",
     "legend",
