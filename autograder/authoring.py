@@ -9,6 +9,7 @@ A lab is a list of cells; these helpers attach the nbgrader metadata so nobody h
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import nbformat
@@ -62,6 +63,11 @@ def answer(grade_id: str, points: float, text: str = "YOUR ANSWER HERE") -> nbfo
 def write_notebook(path: str | Path, cells: list) -> Path:
     """Write an nbgrader source notebook (no outputs, Python 3 kernel) and validate it."""
     nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": KERNEL, "language_info": {"name": "python"}})
+    seen: dict[str, int] = {}
+    for cell in nb.cells:  # ids from content, not random: rebuilding an unchanged lab changes nothing
+        digest = hashlib.sha1(cell.source.encode()).hexdigest()[:10]
+        seen[digest] = seen.get(digest, 0) + 1
+        cell.id = digest if seen[digest] == 1 else f"{digest}-{seen[digest]}"
     ids = [c.metadata["nbgrader"]["grade_id"] for c in cells if "nbgrader" in c.metadata]
     dupes = {i for i in ids if ids.count(i) > 1}
     if dupes:
