@@ -806,7 +806,7 @@ TEXTS = ["The capital of France is", "Once upon a time, in a small village by th
          "Explain why the sky is blue in one sentence:", "A haiku about autumn leaves:", "The quick brown fox",
          "In 1969, the first humans to walk on the Moon were", "Water boils at",
          "Here is a recipe for pancakes. Ingredients:", "The best way to learn a language is"]
-n_requests, longest, B = env.pick((48, 128, 8), (16, 24, 4))
+n_requests, longest, B = env.pick((48, 128, 8), (16, 24, 4), cpu=(32, 64, 8))
 rng = np.random.default_rng(0)
 lengths = np.clip(np.round(2 + 4 * rng.pareto(1.2, n_requests)), 2, longest).astype(int).tolist()  # long tail
 prompts = [tokenizer(TEXTS[i % len(TEXTS)]).input_ids for i in range(n_requests)]
@@ -858,7 +858,7 @@ step takes longer, so each user's tokens arrive more slowly: the **time per outp
 request's first token to its last, divided by the gaps) goes up. Sweep the batch size:
 """),
 code(r"""
-sweep = env.pick([1, 2, 4, 8, 16], [1, 2, 4, 8])
+sweep = env.pick([1, 2, 4, 8, 16], [1, 2, 4, 8], cpu=[1, 2, 4, 8])
 curves = {"static": [], "continuous": []}
 for b in sweep:
     for name, engine in (("static", static_serve), ("continuous", continuous_generate)):

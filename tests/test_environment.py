@@ -1,0 +1,70 @@
+"""course.setup() and course.timing: the first cell of every lab, and the clock every claim uses."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import course
+from course.environment import Environment
+from course.timing import Timing, TokenTimer, benchmark
+
+
+def test_setup_seeds_every_rng_and_prints_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("COURSE_QUICK", "1")
+    env = course.setup(seed=7)
+    a = torch.rand(3)
+    line = capsys.readouterr().out.strip()
+    env2 = course.setup(seed=7, verbose=False)
+    assert torch.equal(a, torch.rand(3)), "same seed, same numbers"
+    assert env == env2 and env.quick and env.device == "cpu" and env.triton_interpreted
+    assert os.environ["TRITON_INTERPRET"] == "1", "no GPU: Triton kernels must run in the interpreter"
+    assert len(line.splitlines()) == 1 and "torch" in line and "quick mode" in line and "seed 7" in line
+
+
+def test_pick_sizes_demos_by_mode_and_device():
+    cpu_full, cpu_quick = Environment("cpu", False, True, 0), Environment("cpu", True, True, 0)
+    gpu = Environment("cuda", False, False, 0)
+    assert cpu_full.pick(100, 10) == 100 and cpu_quick.pick(100, 10) == 10
+    assert cpu_full.pick(100, 10, cpu=40) == 40 and gpu.pick(100, 10, cpu=40) == 100
+    assert cpu_quick.pick(100, 10, cpu=40) == 10, "quick mode wins everywhere"
+
+
+def test_setup_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="device must be"):
+        course.setup(device="tpu", verbose=False)
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        course.setup(device="cuda", verbose=False)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        course.setup(seed="0", verbose=False)
+
+
+def test_setup_keeps_library_warnings_off_stderr():
+    """nbgrader scores a test cell 0 when anything reaches stderr: after setup(), warnings and
+    transformers' logging must not."""
+    code = ("import course, warnings, logging; course.setup(verbose=False); "
+            "warnings.warn('deprecated thing'); logging.getLogger('transformers').warning('noise'); "
+            "import transformers; transformers.logging.get_logger('transformers.generation').warning('more')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", f"stderr after setup(): {result.stderr!r}"
+
+
+def test_benchmark_warms_up_then_takes_the_median():
+    calls = []
+    t = benchmark(lambda: calls.append(1), warmup=2, repeats=5)
+    assert len(calls) == 7 and len(t.runs) == 5 and t.median >= 0
+    assert Timing([3.0, 1.0, 2.0]).median == 2.0
+    with pytest.raises(ValueError, match="repeats"):
+        benchmark(lambda: None, repeats=0)
+
+
+def test_token_timer_records_one_time_per_generated_token():
+    timer = TokenTimer()
+    timer.put(torch.tensor([[1, 2, 3]]))          # generate() first hands over the prompt
+    for tok in (7, 8, 9):
+        timer.put(torch.tensor([tok]))
+    timer.end()
+    assert timer.tokens == [7, 8, 9] and len(timer.times) == 3
+    assert timer.times == sorted(timer.times) and timer.times[0] >= 0
