@@ -10,13 +10,15 @@ JOBS    ?= 1
 PORT    ?= 8888
 LAB_ARGS ?=
 
-.PHONY: setup lab test test-fast release grade html vendor browser clean help
+.PHONY: setup lab test release grade html vendor browser sandbox-tools clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make lab      JupyterLab on the labs (sets everything up first)"
 	@echo "make test     the whole proof: unit tests, every lab, releases, widgets in chromium"
 	@echo "make release  student versions of the labs into autograder/release/"
+	@echo "make grade    grade autograder/submitted/ (or ZIP=...) in a sandbox: feedback, grades.csv, report"
+	@echo "make html     the course site (labs executed with solutions) into build/html/"
 	@echo "make setup    only the set-up: .venv, torch (CPU) first, pinned packages, the model"
 
 # 1. The virtual environment. torch==2.13.0 goes in FIRST: installed later, a package whose range
@@ -47,18 +49,38 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
+# 4. Debian bubblewrap, the grading sandbox (installed when missing; needs root or sudo).
+sandbox-tools:
+	@command -v bwrap >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap; }
+
 # LAB_ARGS: extra JupyterLab options, e.g. LAB_ARGS="--IdentityProvider.token=secret" (the tests use it).
 # As root (containers, CI) JupyterLab refuses to start without --allow-root.
 lab: setup
 	$(BIN)/jupyter lab --notebook-dir=labs --ip=127.0.0.1 --port=$(PORT) \
 	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
-test: setup vendor browser
+test: setup vendor browser sandbox-tools
 	# Two workers on two cores: one torch thread each (two threads per kernel thrash when both run).
 	COURSE_QUICK=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 release: setup
 	$(BIN)/python -m autograder.release
+
+# Grading (autograder/GUIDE.md): ZIP=subs.zip STUDENTS=class.csv JOBS=2 LABS="01_inference",
+# GRADE_ARGS for anything else (python -m autograder.grade --help). SANDBOX=off: only inside a
+# container made for grading.
+grade: setup $(if $(filter off,$(SANDBOX)),,sandbox-tools)
+	$(BIN)/python -m autograder.grade --jobs $(JOBS) --sandbox $(or $(SANDBOX),on) \
+	  $(if $(ZIP),--zip $(ZIP)) $(if $(STUDENTS),--students $(STUDENTS)) $(GRADE_ARGS) $(LABS)
+
+# The course site into build/html/ (open build/html/index.html). Labs executed by `make test`
+# (build/executed/, when their source has not changed since) are reused; others are executed now in quick mode.
+# HTML_ARGS="--full" executes in full mode (full-size demos, much slower on a CPU), "--rerun" all again.
+html: setup vendor
+	@start=$$(date +%s); $(BIN)/python assets/site/build.py $(HTML_ARGS) && \
+	  echo "make html: done in $$(( $$(date +%s) - start )) s"
 
 clean:
 	rm -rf $(VENV) autograder/release autograder/submitted autograder/autograded autograder/feedback build

@@ -1,0 +1,293 @@
+"""Run one repaired notebook in a sandboxed kernel, cell by cell, with the guard in between.
+
+nbclient executes the cells (as nbgrader's own Execute step does); around each one this module
+asks the in-kernel guard (guard.py) to restore and report, out of band: a silent execute request
+whose user_expression returns a signed, numbered report. It also:
+- interrupts a cell past `cell_timeout` (through the control channel: the kernel runs in a new
+  session, so a signal to bwrap would not reach it) and goes on with the next cell;
+- stops when the notebook passes its total `budget` or the kernel dies, and says where and why
+  (exit code or signal, e.g. SIGXCPU for the CPU-time limit, SIGSEGV for a crash);
+- caps each cell's output (`max_output_bytes`): errors are always kept and stderr leaves a
+  marker, so capping never turns a failing test into a passing one;
+- afterwards, kills and reports anything still running in the sandbox's pid namespace.
+"""
+from __future__ import annotations
+
+import ast
+import asyncio
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import signal
+import time
+from dataclasses import dataclass, field
+
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+from nbclient import NotebookClient
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbformat import NotebookNode
+from nbformat.v4 import new_output
+
+from autograder.grade.sandbox import Sandbox, children, kill_leftovers, pid_namespace
+
+SIGNALS = {signal.SIGKILL: "killed (SIGKILL: the CPU-time limit, or the system ran out of memory)", signal.SIGXCPU: "CPU-time limit reached (SIGXCPU)",
+           signal.SIGSEGV: "crashed (segmentation fault)", signal.SIGABRT: "aborted (SIGABRT)",
+           signal.SIGXFSZ: "file-size limit reached (SIGXFSZ)", signal.SIGBUS: "crashed (bus error)"}
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    cell_timeout: int = 600          # seconds per cell (nbgrader's Execute.timeout)
+    budget: int = 3600               # seconds for the whole notebook
+    guard_timeout: int = 60          # seconds for one guard report
+    max_output_bytes: int = 1 << 20  # per cell
+
+
+@dataclass
+class Run:
+    """What happened while running one notebook."""
+
+    nb: NotebookNode
+    timeouts: list[int] = field(default_factory=list)           # cell indices interrupted
+    capped: list[int] = field(default_factory=list)             # cell indices whose output was cut
+    reports: list[dict] = field(default_factory=list)           # {"index", "op", "found", "log", "threads"}
+    stopped: tuple[int, str, str] | None = None                 # (first cell not trusted, flag code, why)
+    current: int = 0                                            # the cell being run
+    cell_seconds: dict[int, float] = field(default_factory=dict)  # wall time per executed cell
+    transport: str = ""                                         # how the grader reached the kernel
+    leftovers: list[int] = field(default_factory=list)
+    kernel_log: str = ""
+    seconds: float = 0.0
+
+
+class GradingClient(NotebookClient):
+    """nbclient with a per-cell output cap and nbgrader's rule that an error reply is an error."""
+
+    def __init__(self, *args, max_output_bytes: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_output_bytes = max_output_bytes
+        self.output_used: dict[int, int] = {}
+        self.capped: set[int] = set()
+        self.timed_out: set[int] = set()
+        self.on_cell_executed = self._record_error_reply
+
+    def output(self, outs, msg, display_id, cell_index):
+        content = msg.get("content", {})
+        used = self.output_used.get(cell_index, 0) + len(json.dumps(content, default=str))
+        self.output_used[cell_index] = used
+        if used <= self.max_output_bytes or msg["msg_type"] == "error":
+            return super().output(outs, msg, display_id, cell_index)
+        stream = content.get("name") if msg["msg_type"] == "stream" else "stdout"
+        marker = f"\n... output capped by the grader at {self.max_output_bytes:,} bytes ...\n"
+        if (cell_index, stream) not in self.capped:
+            self.capped.add((cell_index, stream))
+            outs.append(new_output("stream", name=stream, text=marker))
+        return None
+
+    def _record_error_reply(self, cell, cell_index, execute_reply):
+        content = (execute_reply or {}).get("content", {})
+        if content.get("status") != "error":
+            return
+        if content.get("ename") == "CellTimeoutError":
+            self.timed_out.add(cell_index)
+        if not any(o.get("output_type") == "error" and o.get("ename") == content.get("ename") for o in cell.outputs):
+            cell.outputs.append(new_output("error", ename=content.get("ename", "Error"),
+                                           evalue=content.get("evalue", ""),
+                                           traceback=content.get("traceback") or ["(no traceback)"]))
+
+
+class Guard:
+    """The grader's end of the guard: sends requests, checks signature and sequence."""
+
+    def __init__(self, client: GradingClient, name: str, key: bytes, timeout: int):
+        self.client, self.name, self.key, self.timeout, self.seq = client, name, key, timeout, 0
+
+    async def call(self, op: str, **args) -> dict:
+        """The verified report body, or RuntimeError saying what was wrong with the answer."""
+        expr = f"__import__('sys').modules[{self.name!r}]._call({op!r}, {json.dumps(args)!r})"
+        kc = self.client.kc
+        msg_id = kc.execute("", silent=True, store_history=False, user_expressions={"g": expr}, allow_stdin=False)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no answer from the guard within {self.timeout} s")
+            try:
+                msg = await kc.shell_channel.get_msg(timeout=min(left, 1.0))
+            except Exception:  # queue.Empty
+                if not await self.client.km.is_alive():
+                    raise DeadKernelError("Kernel died") from None
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id:
+                break
+        value = msg["content"].get("user_expressions", {}).get("g", {})
+        if value.get("status") != "ok":
+            raise RuntimeError(f"guard call failed: {value.get('ename', msg['content'].get('ename', '?'))}")
+        try:
+            outer = json.loads(ast.literal_eval(value["data"]["text/plain"]))
+            body_text, sig = outer["body"], outer["sig"]
+        except Exception as e:  # noqa: BLE001 - any malformed answer is a broken guard
+            raise RuntimeError(f"malformed guard answer ({type(e).__name__})") from None
+        good = hmac.new(self.key, body_text.encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(good, sig):
+            raise RuntimeError("guard answer with a wrong signature (forged)")
+        body = json.loads(body_text)
+        if body.get("seq") != self.seq + 1:
+            raise RuntimeError(f"guard answer out of sequence ({body.get('seq')} after {self.seq}): replayed")
+        self.seq += 1
+        return body
+
+
+class _NoGuard:
+    """Stands in for Guard when a test runs without it: every report is empty."""
+
+    timeout = 0
+
+    async def call(self, op: str, **args) -> dict:
+        return {"found": [], "log": [], "threads": []}
+
+
+def _death(proc, log_tail: str) -> str:
+    """Why the kernel died, from bwrap's exit status (128 + signal when the kernel was killed)."""
+    code = None
+    if proc is not None:
+        try:
+            code = proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - still running, or not a Popen
+            code = proc.poll()
+    if code is None:
+        return "the kernel stopped responding"
+    sig = -code if code < 0 else code - 128 if code > 128 else None
+    if sig:
+        try:
+            return SIGNALS.get(signal.Signals(sig), f"killed by signal {signal.Signals(sig).name}")
+        except ValueError:
+            pass
+    hint = " (out of memory?)" if "MemoryError" in log_tail or "std::bad_alloc" in log_tail else ""
+    return f"the kernel exited with code {code}{hint}"
+
+
+async def run_notebook(nb: NotebookNode, kinds: list[str], sandbox: Sandbox, limits: RunLimits,
+                       checkpoints: dict[int, dict], aliases: dict, guarded: bool = True) -> Run:
+    """Execute `nb` (already repaired; `kinds` per cell) in `sandbox`. `checkpoints`: cell index ->
+    what the guard remembers after that cell (worker.checkpoints); `aliases`: the source's import
+    names (tamper.import_aliases). `guarded=False` runs without the guard: only for tests that
+    show what an attack achieves without it."""
+    start = time.monotonic()
+    run = Run(nb=nb)
+    run_dir = sandbox.run_dir
+    sandbox.prepare()
+    key, name = secrets.token_bytes(32), f"_course_grader_{secrets.token_hex(8)}"
+    key_file = run_dir / "guard.key"
+    key_file.write_bytes(key)
+    key_file.chmod(0o600)
+    if sandbox.uid is not None:
+        os.chown(key_file, sandbox.uid, sandbox.uid)
+    sandbox.env.update({"COURSE_GRADER_GUARD": name, "COURSE_GRADER_KEY": str(key_file)})
+    kernels = run_dir / "kernels"
+    kernel_name = sandbox.write_kernelspec(kernels, ["--HistoryManager.hist_file=:memory:"], guard=guarded)
+    km = AsyncKernelManager(kernel_name=kernel_name, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]),
+                            transport="ipc", connection_file=str(run_dir / "kernel.json"))
+    km.ip = str(run_dir / "kernel-ipc")
+    client = GradingClient(
+        nb, km=km, kernel_name=kernel_name, timeout=limits.cell_timeout, allow_errors=True,
+        interrupt_on_timeout=True, store_widget_state=False, record_timing=False, iopub_timeout=10,
+        raise_on_iopub_timeout=False, shutdown_kernel="immediate", startup_timeout=180,
+        error_on_timeout={"ename": "CellTimeoutError", "evalue": f"the cell ran longer than {limits.cell_timeout} s",
+                          "traceback": [f"CellTimeoutError: the cell ran longer than {limits.cell_timeout} s "
+                                        f"and was interrupted by the grader"]},
+        resources={"metadata": {"path": str(sandbox.host_cwd())}},
+        max_output_bytes=limits.max_output_bytes,
+    )
+    client.timeout_func = lambda cell: max(1, min(limits.cell_timeout, int(limits.budget - (time.monotonic() - start))))
+    log_path = run_dir / "kernel.log"
+    namespace, proc = None, None
+    with open(log_path, "w+b") as log_file:   # read back through this handle: the kernel can replace the path
+        try:
+            async with client.async_setup_kernel(stdout=log_file, stderr=log_file, cleanup_kc=True):
+                proc = km.provisioner.process          # bwrap (launch.py exec'd it): its exit status says why
+                run.transport = km.transport
+                namespace = await _namespace(proc)
+                guard = Guard(client, name, key, limits.guard_timeout) if guarded else None
+                cells = _execute_cells(client, guard, run, kinds, checkpoints, aliases, limits, start)
+                try:  # the budget is a hard deadline, whatever a cell or the kernel does
+                    await asyncio.wait_for(cells, timeout=max(1.0, limits.budget - (time.monotonic() - start)) + 5)
+                except asyncio.TimeoutError:
+                    run.stopped = (run.current, "budget", f"the notebook ran past its budget of {limits.budget} s")
+        except DeadKernelError:
+            pass
+        except Exception as e:  # kernel would not start, or the client failed: say so, never hang
+            if run.stopped is None:
+                run.stopped = (0, "grader-error", f"{type(e).__name__}: {e}")
+        log_file.seek(max(0, log_file.seek(0, os.SEEK_END) - 4000))
+        run.kernel_log = log_file.read(4000).decode(errors="replace")
+    run.timeouts = sorted(client.timed_out)
+    run.capped = sorted({i for i, _ in client.capped})
+    run.leftovers = kill_leftovers(namespace, sandbox.uid)
+    if run.stopped and run.stopped[1] == "kernel-died" and not run.stopped[2]:
+        run.stopped = (run.stopped[0], "kernel-died", _death(proc, run.kernel_log))
+    run.seconds = time.monotonic() - start
+    return run
+
+
+async def _namespace(proc) -> str | None:
+    """The sandbox's pid namespace (bwrap's first child lives in it), to find leftovers later."""
+    if proc is None:
+        return None
+    for _ in range(50):
+        kids = children(proc.pid)
+        if kids:
+            ns = pid_namespace(kids[0])
+            return ns if ns != pid_namespace(os.getpid()) else None
+        await asyncio.sleep(0.1)
+    return None
+
+
+async def _execute_cells(client: GradingClient, guard: Guard | None, run: Run, kinds: list[str], checkpoints: dict,
+                         aliases: dict, limits: RunLimits, start: float) -> None:
+    msg_id = client.kc.kernel_info()
+    await client.async_wait_for_reply(msg_id)
+    if guard is None:
+        guard = _NoGuard()
+    try:
+        body = await guard.call("config", aliases=aliases)
+        run.reports.append({"index": -1, "op": "config", **body})
+    except Exception as e:  # noqa: BLE001
+        run.stopped = (0, "guard-broken", f"the guard did not start: {e}")
+        return
+    for index, cell in enumerate(client.nb.cells):
+        if cell.cell_type != "code" or not cell.source.strip():
+            continue
+        if time.monotonic() - start > limits.budget:
+            run.stopped = (index, "budget", f"the notebook ran past its budget of {limits.budget} s")
+            return
+        kind = kinds[index]
+        run.current = index
+        try:
+            if kind in {"test", "locked"}:
+                run.reports.append({"index": index, "op": "pre", **await guard.call("pre")})
+            began = time.monotonic()
+            try:
+                await client.async_execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
+            except CellTimeoutError:  # iopub never finished: treat like a timeout
+                client.timed_out.add(index)
+            finally:
+                run.cell_seconds[index] = round(time.monotonic() - began, 2)
+            # after an interrupt the kernel answers at once, or it ignored the interrupt
+            guard.timeout = min(limits.guard_timeout, 15) if index in client.timed_out else limits.guard_timeout
+            run.reports.append({"index": index, "op": "post", **await guard.call("post", **checkpoints.get(index, {}))})
+        except DeadKernelError:
+            run.stopped = (index, "kernel-died", "")
+            return
+        except (TimeoutError, RuntimeError) as e:
+            if not await client.km.is_alive():
+                run.stopped = (index, "kernel-died", "")
+            elif index in client.timed_out:
+                where = cell.metadata.get("nbgrader", {}).get("grade_id") or f"cell {index + 1}"
+                run.stopped = (index + 1, "timeout", f"the kernel did not recover after interrupting {where}")
+            else:
+                run.stopped = (index, "guard-broken", str(e))
+            return

@@ -1,0 +1,142 @@
+"""Feedback for one student and lab: an HTML page with no hidden test and no solution in it.
+
+nbgrader's own `generate_feedback` shows hidden tests and their tracebacks. Here the graded
+notebook is rewritten before it is rendered:
+- a summary on top: score, each test's result, and the flags with what they mean;
+- each test cell shows the RELEASE's version of its source (visible asserts only) and one line of
+  result instead of its outputs. A failure in the visible part shows its error message; a failure
+  in the hidden part (told apart by the traceback's line number in that cell) shows only the
+  exception's type;
+- other cells keep what the student's own code printed, except any line that repeats a hidden
+  test or a solution line the student did not write (tracebacks can quote other cells).
+"""
+from __future__ import annotations
+
+import copy
+import html
+import re
+from pathlib import Path
+
+import nbformat
+from nbconvert import HTMLExporter
+from nbformat import NotebookNode
+from nbformat.v4 import new_markdown_cell, new_output
+
+from autograder.checks import HIDDEN_MARKERS, secret_lines
+from autograder.grade.outcome import FLAGS, Outcome
+from autograder.grade.repair import cell_kind, grade_id
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_exporter: HTMLExporter | None = None
+
+
+def _hidden_start(source: str) -> int | None:
+    """1-based line number of the hidden-tests marker in a test cell, or None."""
+    for n, line in enumerate(source.splitlines(), 1):
+        if HIDDEN_MARKERS[0] in line:
+            return n
+    return None
+
+
+def failing_line(cell: NotebookNode) -> int | None:
+    """The line of THIS cell where its error was raised (IPython's 'Cell In[N], line L'), or None."""
+    count = cell.get("execution_count")
+    for out in cell.get("outputs", []):
+        if out.get("output_type") != "error":
+            continue
+        for entry in out.get("traceback", []):
+            m = re.search(rf"In\s*\[{count}\],\s*line\s*(\d+)", ANSI.sub("", entry))
+            if count is not None and m:
+                return int(m.group(1))
+    return None
+
+
+def result_line(cell: NotebookNode, result) -> str:
+    """One line for a test cell: what happened, never what the hidden tests say."""
+    mark = f"{result.score:g}/{result.points:g}"
+    if result.status == "passed":
+        return f"PASSED ({mark})"
+    if result.status in {"not-run", "timeout", "zeroed"}:
+        return f"NOT COUNTED ({mark}): {result.status}: {result.why}"
+    errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+    if not errors:
+        if any(o.get("output_type") == "stream" and o.get("name") == "stderr" for o in cell.get("outputs", [])):
+            return f"FAILED ({mark}): the cell wrote to stderr (a warning?): nbgrader scores such a cell 0"
+        return f"PARTIAL ({mark})"
+    err = errors[0]
+    hidden, line = _hidden_start(cell.source), failing_line(cell)
+    if line is not None and (hidden is None or line < hidden):
+        return f"FAILED ({mark}): a visible test, line {line}: {err.ename}: {err.evalue}"
+    return f"FAILED ({mark}): a hidden test failed ({err.ename}). Check edge cases and the problem statement."
+
+
+def _summary(outcome: Outcome) -> str:
+    rows = "\n".join(f"| `{c.grade_id}` | {c.score:g} / {c.points:g} | {c.status} |" for c in outcome.cells)
+    text = [f"# Feedback: {outcome.lab}", f"**Student:** {outcome.student}  ",
+            f"**Score:** {outcome.score:g} / {outcome.max_score:g}", "",
+            "| test | points | result |", "|---|---|---|", rows]
+    if outcome.flags:
+        text += ["", "**Notes from the grader**", ""]
+        for f in outcome.flags:
+            where = f" (`{f.cell}`)" if f.cell else ""
+            text.append(f"- **{f.code}**{where}: {FLAGS[f.code][1]}. {html.escape(f.detail)}")
+    return "\n".join(text)
+
+
+def _scrub(text: str, secret: set[str]) -> str:
+    """Drop output lines that quote a secret line (long enough to be specific)."""
+    keep = [line for line in text.split("\n")
+            if not any(s in ANSI.sub("", line) for s in secret if len(s) >= 12)]
+    return "\n".join(keep)
+
+
+def feedback_notebook(graded: NotebookNode, outcome: Outcome, source: NotebookNode, release: NotebookNode) -> NotebookNode:
+    """The notebook the feedback page renders (see the module docstring)."""
+    nb = copy.deepcopy(graded)
+    released = {grade_id(c): c.source for c in release.cells if grade_id(c)}
+    results = {c.grade_id: c for c in outcome.cells}
+    own = {line.strip() for c in graded.cells if cell_kind(c) in {"solution", "plain", "manual"}
+           for line in c.source.splitlines()}
+    secret = secret_lines(source) - own
+    for cell in nb.cells:
+        gid = grade_id(cell)
+        if cell.cell_type == "code" and cell_kind(cell) == "test":
+            line = result_line(cell, results[gid]) if gid in results else "not graded"
+            cell.source = released.get(gid, "# (hidden)")
+            cell.outputs = [new_output("stream", name="stdout", text=line + "\n")]
+        elif cell.cell_type == "code":
+            for out in cell.get("outputs", []):
+                if out.get("output_type") == "stream":
+                    out.text = _scrub(out.text, secret)
+                elif out.get("output_type") == "error":
+                    out.traceback = [_scrub(t, secret) for t in out.traceback]
+                    out.evalue = _scrub(out.evalue, secret)
+                elif "data" in out and "text/plain" in out.data:
+                    out.data["text/plain"] = _scrub(out.data["text/plain"], secret)
+    nb.cells.insert(0, new_markdown_cell(_summary(outcome)))
+    nb.metadata.pop("widgets", None)
+    return nb
+
+
+def write_feedback(graded: NotebookNode, outcome: Outcome, source: NotebookNode, release: NotebookNode,
+                   out_html: Path) -> Path:
+    """Render the feedback page for one graded notebook to `out_html`."""
+    global _exporter
+    if _exporter is None:
+        _exporter = HTMLExporter(template_name="lab")
+    body, _ = _exporter.from_notebook_node(feedback_notebook(graded, outcome, source, release))
+    out_html.parent.mkdir(parents=True, exist_ok=True)
+    out_html.write_text(body, encoding="utf-8")
+    return out_html
+
+
+def write_missing(outcome: Outcome, out_html: Path) -> Path:
+    """A one-line page for a student with no graded notebook (missing, unreadable, grader error)."""
+    nb = nbformat.v4.new_notebook(cells=[new_markdown_cell(_summary(outcome) + f"\n\n{outcome.reason}")])
+    global _exporter
+    if _exporter is None:
+        _exporter = HTMLExporter(template_name="lab")
+    body, _ = _exporter.from_notebook_node(nb)
+    out_html.parent.mkdir(parents=True, exist_ok=True)
+    out_html.write_text(body, encoding="utf-8")
+    return out_html

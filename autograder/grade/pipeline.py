@@ -1,0 +1,210 @@
+"""`make grade`, start to end: collect -> check the sandbox -> register labs -> grade in parallel ->
+record, one at a time -> feedback -> grades CSV -> class report.
+
+Parallel without corrupting the gradebook: each submission is graded by its own worker process
+(worker.py) in its own temporary folder and sandbox; workers never open the gradebook. This
+process waits for them (`jobs` at a time) and records each outcome as it arrives, so the
+gradebook has exactly one writer. One bad submission never stops the run: a worker that fails
+or runs past its budget becomes that student's `grader-error`, with the reason.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import nbformat
+
+from autograder import GRADEBOOK, LABS, REPO, ROOT, lab_names, lab_notebook, load_config
+from autograder.grade import collect, feedback, gradebook, report, sandbox
+from autograder.grade.execute import RunLimits
+from autograder.grade.outcome import CellResult, Outcome
+from autograder.grade.repair import cell_kind, grade_id
+from autograder.grade.worker import Job
+from autograder.release import generate_release
+
+
+@dataclass
+class Config:
+    """Where things are and how to grade. Defaults: the course's nbgrader folders and gradebook."""
+
+    submitted: Path = ROOT / "submitted"
+    autograded: Path = ROOT / "autograded"
+    feedback: Path = ROOT / "feedback"
+    gradebook: Path | None = GRADEBOOK
+    out: Path = ROOT / "autograded"            # grades.csv and report.html
+    labs_dir: Path = LABS
+    labs: list[str] = field(default_factory=list)   # empty: every lab that has a submission
+    only: list[str] = field(default_factory=list)   # grade only these students (re-grading one)
+    students: Path | None = None
+    zip: Path | None = None
+    jobs: int = 1
+    sandbox: bool = True
+    gpu: bool = False
+    cell_timeout: int = 0                      # 0: nbgrader_config.py's Execute.timeout
+    budget: int = 3600
+    memory_gib: float = 8.0
+    processes: int = 256
+    quick: bool = True
+    keep: bool = False                         # keep the temporary folders (debugging)
+
+
+def _data_files(lab_dir: Path) -> list[Path]:
+    return sorted(p for p in lab_dir.iterdir() if p.suffix != ".ipynb" and p.name not in
+                  {".ipynb_checkpoints", "__pycache__"} and not p.name.startswith("."))
+
+
+def _lab_cells(source: Path) -> list[tuple[str, float]]:
+    nb = nbformat.read(source, as_version=4)
+    return [(grade_id(c), float(c.metadata.nbgrader.get("points", 0))) for c in nb.cells if cell_kind(c) == "test"]
+
+
+def _not_graded(student: str, lab: str, source: Path, code: str, reason: str) -> Outcome:
+    cells = _lab_cells(source)
+    out = Outcome(student, lab, 0.0, sum(p for _, p in cells), status="missing" if code == "missing" else "error",
+                  reason=reason, cells=[CellResult(g, p, 0.0, "not-run", reason) for g, p in cells])
+    out.flag(code, reason)
+    return out
+
+
+def grade_all(cfg: Config, log=print) -> list[Outcome]:
+    """Grade everything `cfg` points at; returns every outcome (graded, missing, failed)."""
+    known = lab_names(cfg.labs_dir)
+    unknown = [lab for lab in cfg.labs if lab not in known]
+    if unknown:
+        raise ValueError(f"LABS: unknown lab(s) {', '.join(unknown)}; labs are: {', '.join(known)}")
+    if cfg.jobs < 1:
+        raise ValueError(f"JOBS must be >= 1, got {cfg.jobs}")
+    if cfg.zip is not None:
+        got, skipped = collect.extract_zip(cfg.zip, cfg.submitted, cfg.labs or known)
+        log(f"zip: {len(got)} submission(s) extracted into {cfg.submitted}"
+            + (f"; skipped {len(skipped)} other file(s): {', '.join(skipped[:5])}" if skipped else ""))
+    students = collect.read_students(cfg.students) if cfg.students else []
+    found = collect.find_submissions(cfg.submitted, cfg.labs or known)
+    if cfg.only:
+        found = {k: v for k, v in found.items() if k[0] in cfg.only}
+        students = [s for s in students if s.id in cfg.only]
+    labs = cfg.labs or sorted({lab for _, lab in found})
+    found = {k: v for k, v in found.items() if k[1] in labs}
+    if not labs:
+        log(f"no submissions in {cfg.submitted} (expected <student>/<lab>/<lab>.ipynb)")
+        return []
+    cell_timeout = cfg.cell_timeout or int(load_config().Execute.timeout)
+    tmp = Path(tempfile.mkdtemp(prefix="course-grade-"))
+    try:
+        return _grade(cfg, log, students, found, labs, cell_timeout, tmp)
+    finally:
+        if not cfg.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            log(f"kept the work folders in {tmp}")
+
+
+def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
+    from course.models.loading import cache_dir
+
+    cache = cache_dir() / "SmolLM2-135M-Instruct"
+    cache = cache.parent if cache.is_dir() else None
+    if cfg.sandbox:
+        if cache is not None and os.geteuid() == 0 and not sandbox.readable_by_others(cache):
+            cache = sandbox.readable_copy(cache, tmp / "model-cache")   # the kernel's own uid must read it
+        canary = tmp / "canary"          # the grader's /tmp must not be the kernel's
+        canary.write_text("not for students")
+        hidden = [cfg.labs_dir.resolve(), ROOT, cfg.submitted.resolve(), Path.home() / ".cache", canary]
+        if cfg.gradebook is not None:
+            hidden.append(cfg.gradebook.resolve())
+        log(sandbox.preflight(tmp / "preflight", hidden, cache))
+    else:
+        log("!" * 78 + "\n!!! SANDBOX=off: student code runs with YOUR rights, network and files. Only do this\n"
+            "!!! inside a container or VM that exists for grading. Every result is flagged sandbox-off.\n" + "!" * 78)
+    releases = {lab: generate_release(lab, cfg.labs_dir, tmp / "release", cfg.gradebook) for lab in labs}
+    sources = {lab: lab_notebook(lab, cfg.labs_dir) for lab in labs}
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cfg.jobs))
+    env = {"COURSE_QUICK": "1" if cfg.quick else "0", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    limits = {"memory_bytes": int(cfg.memory_gib * (1 << 30)), "cpu_seconds": cfg.budget, "processes": cfg.processes}
+    run_limits = asdict(RunLimits(cell_timeout=cell_timeout, budget=cfg.budget))
+    jobs = []
+    for (student, lab), path in sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        work = tmp / "jobs" / lab / student
+        work.mkdir(parents=True)
+        jobs.append(Job(student, lab, str(path), str(sources[lab]), str(releases[lab]), str(work),
+                        [str(p) for p in _data_files(sources[lab].parent)], str(cache) if cache else None,
+                        cfg.sandbox, cfg.gpu, env, limits, run_limits))
+    log(f"grading {len(jobs)} submission(s) of {', '.join(labs)} with {cfg.jobs} job(s), "
+        f"cell timeout {cell_timeout} s, budget {cfg.budget} s per notebook")
+    roster = {s.id: s for s in students}
+    outcomes: list[Outcome] = []
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
+        futures = {pool.submit(_run_worker, job, cfg.budget + 300): job for job in jobs}
+        for n, fut in enumerate(as_completed(futures), 1):
+            job = futures[fut]
+            outcome = fut.result()
+            if roster and job.student not in roster:
+                outcome.flag("unlisted", "not on the student list")
+            _record(cfg, outcome, job, roster.get(job.student))
+            outcomes.append(outcome)
+            log(f"[{n}/{len(jobs)}] {job.student} {job.lab}: {outcome.score:g}/{outcome.max_score:g}"
+                f"{'  ' + outcome.flag_summary() if outcome.flags else ''} ({outcome.seconds:.0f} s)")
+    for s in students:
+        for lab in labs:
+            if (s.id, lab) not in found:
+                out = _not_graded(s.id, lab, sources[lab], "missing", "no submission")
+                if cfg.gradebook is not None:
+                    gradebook.record(cfg.gradebook, out, s)
+                outcomes.append(out)
+    csv_path = report.write_csv(outcomes, cfg.out / "grades.csv")
+    html_path = report.write_report(outcomes, cfg.out / "report.html")
+    graded = sum(o.status == "graded" for o in outcomes)
+    flagged = sum(any(f.severity != "info" for f in o.flags) for o in outcomes)
+    log(f"done in {time.monotonic() - start:.0f} s: {graded} graded, {len(outcomes) - graded} without a score, "
+        f"{flagged} flagged\n  grades:   {csv_path}\n  report:   {html_path}\n  feedback: {cfg.feedback}/<student>/<lab>/")
+    return outcomes
+
+
+def _run_worker(job: Job, timeout: int) -> Outcome:
+    """Grade one job in its own process; any failure becomes the student's stated `grader-error`."""
+    work = Path(job.work)
+    path = job.save(work / "job.json")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    start = time.monotonic()
+    with open(work / "worker.log", "wb") as logf:
+        try:
+            subprocess.run([sys.executable, "-m", "autograder.grade.worker", str(path)], cwd=REPO, env=env,
+                           stdout=logf, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+            reason = None
+        except subprocess.TimeoutExpired:
+            reason = f"the grading process ran past {timeout} s and was stopped"
+    result = work / "outcome.json"
+    if reason is None and result.is_file():
+        return Outcome.from_json(result.read_text())
+    tail = (work / "worker.log").read_bytes()[-500:].decode(errors="replace")
+    out = _not_graded(job.student, job.lab, Path(job.source), "grader-error",
+                      reason or f"the grading process failed: {tail.strip().splitlines()[-1:] or '?'}")
+    out.seconds = round(time.monotonic() - start, 1)
+    return out
+
+
+def _record(cfg: Config, outcome: Outcome, job: Job, student) -> None:
+    """Gradebook, autograded notebook and feedback page for one outcome (main process only)."""
+    work = Path(job.work)
+    stamp_file = Path(job.submission).parent / "timestamp.txt"
+    stamp = stamp_file.read_text() if stamp_file.is_file() else None
+    if cfg.gradebook is not None:
+        gradebook.record(cfg.gradebook, outcome, student, stamp)
+    page = cfg.feedback / job.student / job.lab / f"{job.lab}.html"
+    graded = work / "autograded.ipynb"
+    if outcome.status == "graded" and graded.is_file():
+        dest = cfg.autograded / job.student / job.lab / f"{job.lab}.ipynb"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(graded, dest)
+        feedback.write_feedback(nbformat.read(graded, as_version=4), outcome,
+                                nbformat.read(job.source, as_version=4), nbformat.read(job.release, as_version=4), page)
+    else:
+        feedback.write_missing(outcome, page)

@@ -1,0 +1,214 @@
+"""Tamper defenses, grader side: what the tests rely on, a static scan of student code, and turning
+the in-kernel guard's reports (guard.py) into flags and zeroes.
+
+The threat: student code runs in the same kernel as the hidden tests, before them, and can replace
+what they call (`builtins.abs = ...`, `torch.allclose = lambda *a, **k: True`, a test helper,
+IPython's `run_cell`), or return objects that fake comparisons. No in-process check can be
+complete against code written by someone who has read this grader, so there are three layers:
+
+1. Sandbox (sandbox.py): hidden material, the gradebook and other students are not there to read
+   or write; limits stop loops and bombs. Nothing in the kernel can change that.
+2. Runtime guard (guard.py, driven by execute.py): before each locked and test cell, everything
+   snapshotted at kernel start (builtins, torch, numpy, course, ..., test helpers, the source's
+   import aliases, IPython's machinery) is put back, so tests run on pristine objects; what had
+   to be put back is flagged `patched` (review: the score is what the student's own code earned).
+   After each test cell, anything replaced DURING it, or written and undone again (module write
+   log), zeroes that cell (`tampered`). A guard that stops answering, or answers with a wrong
+   signature or sequence number, zeroes the rest (`guard-broken`).
+3. Static scan (`scan`): the tools such tampering needs, in code the student wrote or edited:
+   assignments into modules, `__builtins__`, `sys.modules`, `gc`, `ctypes`, `exec`/`eval`,
+   `get_ipython`, `__dict__`, classes that define `__eq__`/`__torch_function__`, ... -> `suspicious`
+   (review). It is what catches the attacks layer 2 cannot see, such as writes through
+   `module.__dict__` that undo themselves, or a guard replaced by code that found its key.
+
+Limits, stated: an object returned by student code that lies about equality passes a test that
+compares with `==` (the scan flags classes defining `__eq__`); a patch that undoes itself through
+`__dict__` within one test cell is caught only by the scan.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+from IPython.core.inputtransformer2 import TransformerManager
+
+GUARDED_ROOTS = {"builtins", "math", "operator", "inspect", "functools", "itertools", "collections",
+                 "dataclasses", "copy", "numpy", "torch", "course", "sys", "IPython"}
+SUSPICIOUS_NAMES = {
+    "__builtins__": "touches __builtins__",
+    "exec": "runs code from a string (exec)",
+    "eval": "runs code from a string (eval)",
+    "compile": "compiles code from a string",
+    "__import__": "imports by name (__import__)",
+    "get_ipython": "reaches into IPython (get_ipython)",
+    "globals": "edits the namespace through globals()",
+    "vars": "edits a namespace through vars()",
+}
+SUSPICIOUS_MODULES = {"builtins", "gc", "ctypes", "importlib", "signal", "atexit", "multiprocessing",
+                      "subprocess", "socket"}
+SUSPICIOUS_ATTRS = {"__dict__", "__closure__", "__code__", "__globals__", "__builtins__", "__subclasses__", "__module__",
+                    "_getframe", "f_locals", "f_globals", "f_back"}
+SUSPICIOUS_CALLS = {"sys": {"modules", "settrace", "setprofile", "addaudithook", "_getframe"},
+                    "os": {"system", "fork", "forkpty", "kill", "killpg", "popen", "execv", "execve", "execvp",
+                           "spawnv", "posix_spawn", "_exit"}}
+FAKE_DUNDERS = {"__eq__", "__ne__", "__bool__", "__torch_function__", "__array_function__", "__array_ufunc__",
+                "__instancecheck__", "__subclasscheck__", "__getattribute__"}
+
+
+def parse(source: str) -> ast.Module | None:
+    """A cell's AST after IPython's transforms (magics, `!cmd`), or None when it does not parse."""
+    try:
+        return ast.parse(TransformerManager().transform_cell(source))
+    except (SyntaxError, ValueError):
+        return None
+
+
+class _Bound(ast.NodeVisitor):
+    """Top-level names a cell binds (not inside functions or classes)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def _target(self, node: ast.AST) -> None:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name):
+                self.names.add(n.id)
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        for t in node.targets:
+            self._target(t)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self._target(node.target)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        self._target(node.target)
+
+    def visit_For(self, node: ast.For) -> None:
+        self._target(node.target)
+        self.generic_visit(node)
+
+    def visit_With(self, node: ast.With) -> None:
+        for item in node.items:
+            if item.optional_vars is not None:
+                self._target(item.optional_vars)
+        self.generic_visit(node)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        self.names.add(node.name)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.names.add(node.name)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for a in node.names:
+            self.names.add(a.asname or a.name.split(".")[0])
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        for a in node.names:
+            if a.name != "*":
+                self.names.add(a.asname or a.name)
+
+
+def bound_names(source: str) -> set[str]:
+    tree = parse(source)
+    if tree is None:
+        return set()
+    visitor = _Bound()
+    visitor.visit(tree)
+    return visitor.names
+
+
+def given_objects(source_nb) -> set[str]:
+    """Names the lab's own given and locked code cells bind (model, hf_model, tokenizer, ...):
+    student code that assigns into their attributes is patching what tests use."""
+    from autograder.grade.repair import cell_kind
+
+    names: set[str] = set()
+    for cell in source_nb.cells:
+        if cell.cell_type == "code" and cell_kind(cell) in {"plain", "locked"}:
+            names |= bound_names(cell.source)
+    return names
+
+
+def import_aliases(sources: list[str]) -> dict[str, tuple[str, str | None]]:
+    """Names the source notebook's imports bind: {'np': ('numpy', None), 'F': ('torch.nn', 'functional'),
+    'benchmark': ('course.timing', 'benchmark')}. Names bound differently by two imports are left out."""
+    found: dict[str, tuple[str, str | None]] = {}
+    clash: set[str] = set()
+    for source in sources:
+        tree = parse(source)
+        for node in ast.walk(tree) if tree else []:
+            pairs = []
+            if isinstance(node, ast.Import):
+                pairs = [(a.asname or a.name.split(".")[0], (a.name if a.asname else a.name.split(".")[0], None))
+                         for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                pairs = [(a.asname or a.name, (node.module, a.name)) for a in node.names if a.name != "*"]
+            for name, target in pairs:
+                if found.get(name, target) != target:
+                    clash.add(name)
+                found[name] = target
+    return {k: v for k, v in found.items() if k not in clash}
+
+
+@dataclass(frozen=True)
+class Finding:
+    line: int
+    what: str
+
+
+def _root(node: ast.AST) -> str | None:
+    """The first name of an attribute chain: `torch` in `torch.nn.functional.softmax`."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def scan(source: str, module_names: set[str], objects: set[str] = frozenset()) -> list[Finding]:
+    """Suspicious constructs in one student-written cell. `module_names`: names that are modules in the
+    lab (its import aliases, e.g. torch, np, F): assigning into them is patching. `objects`: what the
+    lab's given cells define (model, hf_model): setting their attributes is patching too."""
+    tree = parse(source)
+    if tree is None:
+        return []
+    mods = module_names | GUARDED_ROOTS
+    found: list[Finding] = []
+
+    def add(node: ast.AST, what: str) -> None:
+        found.append(Finding(getattr(node, "lineno", 0), what))
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for t in targets:
+                if isinstance(t, (ast.Attribute, ast.Subscript)) and _root(t) in mods:
+                    add(node, f"assigns into {ast.unparse(t)}")
+                elif isinstance(t, ast.Attribute) and _root(t) in objects:
+                    add(node, f"replaces {ast.unparse(t)}, which the lab gave you")
+                elif isinstance(t, ast.Attribute) and t.attr == "__class__":
+                    add(node, f"assigns {ast.unparse(t)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in {"setattr", "delattr"} and node.args and _root(node.args[0]) in mods | {"type"}:
+                add(node, f"{node.func.id}() on {ast.unparse(node.args[0])}")
+            elif node.func.id in SUSPICIOUS_NAMES:
+                add(node, SUSPICIOUS_NAMES[node.func.id])
+        elif isinstance(node, ast.Name) and node.id == "__builtins__":
+            add(node, SUSPICIOUS_NAMES["__builtins__"])
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for n in names:
+                if n.split(".")[0] in SUSPICIOUS_MODULES:
+                    add(node, f"imports {n}")
+        elif isinstance(node, ast.Attribute) and node.attr in SUSPICIOUS_ATTRS:
+            add(node, f"uses .{node.attr}")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.attr in SUSPICIOUS_CALLS.get(node.value.id, ()):
+            add(node, f"uses {node.value.id}.{node.attr}")
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name in FAKE_DUNDERS:
+                    add(item, f"class {node.name} defines {item.name} (can fake comparisons)")
+    return sorted(set(found), key=lambda f: (f.line, f.what))

@@ -1,0 +1,442 @@
+"""`make grade` (autograder/grade/) on a simulated class, and each of its defenses on its own.
+
+Fast (no kernel): repair, the static scan, zip and class-list collection, feedback lines, self_check.
+Defenses (tiny notebooks, a few seconds each): every tamper defense is run with and without the
+guard, so each test shows the attack working without it and failing with it.
+Slow (the fixture class of autograder/fixtures/, graded with JOBS=2 as `make grade` does):
+- every lab: full, blank, partial and two buggy students, plus an absent one: exact scores;
+- lab 01: the hostile students (tampering, escapes, bombs, crashes, damaged notebooks) with a
+  short cell timeout: exact scores and flags, no escape succeeded, nothing left running;
+- no feedback page holds a hidden test or a solution line the student did not write; the
+  gradebook, grades.csv and the class report agree with the outcomes.
+Labs are found at run time: a new lab is graded here with its spec, or with generic fixtures.
+"""
+from __future__ import annotations
+
+import asyncio
+import csv
+import hashlib
+import html
+import io
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbconvert import HTMLExporter
+from nbgrader.api import Gradebook
+
+from autograder import REPO, authoring, lab_names, lab_notebook
+from autograder.checks import _public_lines, secret_lines
+from autograder.fixtures import HOSTILE_LAB, build_class, expected_score, full_solution, write_class
+from autograder.grade import collect, tamper
+from autograder.grade.execute import RunLimits, run_notebook
+from autograder.grade.feedback import result_line
+from autograder.grade.outcome import CellResult, Outcome
+from autograder.grade.pipeline import Config, grade_all
+from autograder.grade.repair import cell_kind, grade_id, repair
+from autograder.grade.sandbox import Sandbox
+from autograder.grade.worker import checkpoints, score
+from autograder.release import generate_release
+from course.selfcheck import check_cells, find_notebook
+
+LAB_NAMES = lab_names()
+
+
+@pytest.fixture(scope="module")
+def lab01(tmp_path_factory):
+    """(source, release) of lab 01, the release generated without a gradebook."""
+    rel = generate_release(HOSTILE_LAB, release_dir=tmp_path_factory.mktemp("rel"), gradebook=None)
+    return nbformat.read(lab_notebook(HOSTILE_LAB), as_version=4), nbformat.read(rel, as_version=4)
+
+
+# --- repair ----------------------------------------------------------------------------------------
+
+def test_repair_restores_readds_and_deduplicates(lab01):
+    source, release = lab01
+    from autograder.fixtures.hostile import _damaged
+
+    fixed = repair(_damaged(full_solution(release, source)), source, release)
+    assert {f.short() for f in fixed.flags} == {"readded-cell(greedy_generate_loop)", "dropped-duplicate(next_token_probs)",
+                                               "restored-locked(top_k_table_tests)",
+                                               "repaired-metadata(greedy_generate_matches_hf)"}
+    ids = [grade_id(c) for c in fixed.nb.cells if grade_id(c)]
+    assert ids == [grade_id(c) for c in source.cells if grade_id(c)], "graded cells back, once each, in order"
+    tests = {grade_id(c): c for c in fixed.nb.cells if cell_kind(c) == "test"}
+    src_tests = {grade_id(c): c for c in source.cells if cell_kind(c) == "test"}
+    assert all(tests[g].source == src_tests[g].source for g in tests), "tests run as in the source (hidden part too)"
+    assert tests["greedy_generate_matches_hf"].metadata.nbgrader["points"] == 3
+    assert not any(c.get("outputs") for c in fixed.nb.cells if c.cell_type == "code")
+
+
+def test_repair_keeps_the_first_copy_that_is_still_an_answer_and_never_adds_solutions(lab01):
+    source, release = lab01
+    nb = full_solution(release, source)
+    at = next(i for i, c in enumerate(nb.cells) if grade_id(c) == "top_k_table")
+    copy_ = nbformat.from_dict(nb.cells[at])
+    nb.cells[at].metadata.nbgrader["solution"] = False        # the first copy lost its answer flag
+    nb.cells.insert(at + 1, copy_)
+    nb.cells = [c for c in nb.cells if grade_id(c) != "greedy_generate"]     # an answer deleted
+    fixed = repair(nb, source, release)
+    kept = [i for i, c in enumerate(fixed.nb.cells) if grade_id(c) == "top_k_table"]
+    assert kept == [at + 1] and fixed.kinds[at] == "student", "the copy still marked as an answer keeps the id"
+    readded = next(c for c in fixed.nb.cells if grade_id(c) == "greedy_generate")
+    assert "raise NotImplementedError()" in readded.source and "### BEGIN SOLUTION" not in readded.source
+
+
+def test_repair_of_another_labs_notebook_says_so(lab01, tmp_path):
+    source, release = lab01
+    other = LAB_NAMES[1] if len(LAB_NAMES) > 1 and LAB_NAMES[0] == HOSTILE_LAB else LAB_NAMES[0]
+    wrong = nbformat.read(generate_release(other, release_dir=tmp_path, gradebook=None), as_version=4)
+    assert repair(wrong, source, release).known_ids == 0
+
+
+def test_a_lab_without_a_fixture_spec_gets_generic_fixtures():
+    from autograder.fixtures import lab_spec, with_bug
+
+    source = nbformat.v4.new_notebook(cells=[
+        authoring.locked("setup", "import course"),
+        authoring.solution("double", "def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION"),
+        authoring.tests("double_tests", 1, "assert double(2) == 4"),
+        authoring.solution("quad", "def quad(x):\n    ### BEGIN SOLUTION\n    return double(double(x))\n    ### END SOLUTION"),
+        authoring.tests("quad_tests", 2, "assert quad(1) == 4"),
+    ])
+    partial, bugs = lab_spec("99_no_spec", source)
+    assert partial == {"stub": ["quad"], "fails": ["quad_tests"]}
+    assert bugs[0].cell == "double" and set(bugs[0].fails) == {"double_tests", "quad_tests"}, "quad is built on double"
+    full = nbformat.v4.new_notebook(cells=[nbformat.from_dict(c) for c in source.cells])
+    assert "return None" in with_bug(full, "99_no_spec", bugs[0]).cells[1].source
+
+
+# --- static scan -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code, what", [
+    ("torch.allclose = lambda *a, **k: True", "assigns into torch.allclose"),
+    ("import builtins\nbuiltins.abs = abs", "imports builtins"),
+    ("setattr(torch, 'equal', f)", "setattr() on torch"),
+    ("hf_model.generate = my_loop", "replaces hf_model.generate"),
+    ("get_ipython().run_cell = f", "get_ipython"),
+    ("import sys\ndel sys.modules['x']", "sys.modules"),
+    ("class Always:\n    def __eq__(self, other):\n        return True", "can fake comparisons"),
+    ("exec('x = 1')", "exec"),
+])
+def test_scan_flags_tampering_tools(code, what):
+    found = tamper.scan(code, {"torch", "np"}, {"hf_model"})
+    assert any(what in f.what for f in found), found
+
+
+@pytest.mark.parametrize("lab", LAB_NAMES)
+def test_scan_is_quiet_on_every_labs_own_solution(lab):
+    source = nbformat.read(lab_notebook(lab), as_version=4)
+    aliases = tamper.import_aliases([c.source for c in source.cells if c.cell_type == "code"])
+    mods = {a for a, (m, _) in aliases.items() if m.split(".")[0] in tamper.GUARDED_ROOTS}
+    for cell in source.cells:
+        if cell_kind(cell) == "solution":
+            from autograder.fixtures import answer_source
+
+            assert tamper.scan(answer_source(cell), mods, tamper.given_objects(source) - mods) == [], grade_id(cell)
+
+
+# --- collection ------------------------------------------------------------------------------------
+
+def test_zip_layouts_and_class_list(tmp_path):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("class/alice/01_inference.ipynb", "{}")
+        zf.writestr("bob/01_inference/01_inference.ipynb", "{}")
+        zf.writestr("hw_carol_attempt_2026-03-09-09-36-17_01_inference.ipynb", "old")
+        zf.writestr("hw_carol_attempt_2026-03-10-09-00-00_01_inference.ipynb", "new")
+        zf.writestr("__MACOSX/alice/._01_inference.ipynb", "junk")
+        zf.writestr("readme.txt", "hello")
+        zf.writestr("../evil/01_inference.ipynb", "{}")
+    (tmp_path / "in.zip").write_bytes(buf.getvalue())
+    got, skipped = collect.extract_zip(tmp_path / "in.zip", tmp_path / "sub", ["01_inference"])
+    assert got == [("alice", "01_inference"), ("bob", "01_inference"), ("carol", "01_inference")]
+    assert (tmp_path / "sub/carol/01_inference/01_inference.ipynb").read_text() == "new", "the latest attempt wins"
+    assert (tmp_path / "sub/carol/01_inference/timestamp.txt").read_text() == "2026-03-10 09:00:00"
+    assert {"readme.txt", "../evil/01_inference.ipynb"} <= set(skipped) and not (tmp_path / "evil").exists()
+    (tmp_path / "c.csv").write_text("id,name,email\nalice,Alice A,a@x\nbob,,\n")
+    assert [s.id for s in collect.read_students(tmp_path / "c.csv")] == ["alice", "bob"]
+    (tmp_path / "bad.csv").write_text("who,email\nalice,a@x\n")
+    with pytest.raises(ValueError, match="STUDENTS.*id"):
+        collect.read_students(tmp_path / "bad.csv")
+
+
+# --- feedback lines and self-check ----------------------------------------------------------------
+
+def test_feedback_line_shows_visible_failures_and_hides_hidden_ones():
+    cell = nbformat.v4.new_code_cell("assert f(1) == 1, 'visible'\n### BEGIN HIDDEN TESTS\nassert f(2) == 4, 'secret 4'\n"
+                                     "### END HIDDEN TESTS", execution_count=7)
+    res = CellResult("t", 2, 0, "failed")
+    cell.outputs = [nbformat.v4.new_output("error", ename="AssertionError", evalue="secret 4",
+                                           traceback=["\x1b[36mCell In[7], line 3\x1b[39m", "AssertionError: secret 4"])]
+    line = result_line(cell, res)
+    assert "hidden test failed (AssertionError)" in line and "secret" not in line
+    cell.outputs[0].update(evalue="visible", traceback=["Cell In[7], line 1", "AssertionError: visible"])
+    assert "line 1: AssertionError: visible" in result_line(cell, res)
+
+
+def test_self_check_runs_visible_tests_in_this_namespace(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        authoring.solution("sq", "def square(x):\n    ### BEGIN SOLUTION\n    return x * x\n    ### END SOLUTION"),
+        authoring.tests("sq_ok", 1, "assert square(3) == 9"),
+        authoring.tests("sq_bad", 2, "assert square(2) == 5, 'square(2) is 4'"),
+        authoring.tests("sq_warn", 1, "import sys\nprint('careful', file=sys.stderr)"),
+    ])
+    path = tmp_path / "lab.ipynb"
+    nbformat.write(nb, path)
+    ns = {"square": lambda x: x * x}
+    checks = check_cells(find_notebook(namespace={"__session__": str(path)}), ns)
+    assert [(c.grade_id, c.passed) for c in checks] == [("sq_ok", True), ("sq_bad", False), ("sq_warn", False)]
+    assert "square(2) is 4" in checks[1].message and "stderr" in checks[2].message
+
+
+# --- each tamper defense, with and without the guard ----------------------------------------------
+
+PATCHES = [
+    ("locked", "setup", "import builtins, threading, time, torch\n\nclass Ref:\n    def value(self):\n        return 1\n\n"
+                        "ref = Ref()\n\ndef helper(x):\n    return x + 1"),
+    ("solution", "f", "def f(x):\n    return -x\nbuiltins.abs = lambda x: 0"),
+    ("test", "f_tests", "assert abs(f(2) - 2) < 1e-9"),
+    ("solution", "g", "def g():\n    return torch.zeros(2)\ntorch.equal = lambda *a, **k: True"),
+    ("test", "g_tests", "assert torch.equal(g(), torch.ones(2))"),
+    ("solution", "h", "def h():\n    return 5\nhelper = lambda x: 7"),
+    ("test", "h_tests", "assert helper(h()) == 7"),
+    ("solution", "m", "def m():\n    return 2\nref.value = lambda: 2"),
+    ("test", "m_tests", "assert ref.value() == m()"),
+    ("solution", "k", "_real = torch.allclose\ndef k():\n    torch.allclose = lambda *a, **kw: True\n"
+                      "    threading.Timer(0.2, lambda: setattr(torch, 'allclose', _real)).start()\n    return torch.zeros(2)"),
+    ("test", "k_tests", "x = k()\nassert torch.allclose(x, torch.ones(2))\ntime.sleep(1)"),
+]
+SKIP_ASSERTS = [
+    ("locked", "setup", "import torch"),
+    ("solution", "f", "def f():\n    raise NotImplementedError()\nip = get_ipython()\n_run = ip.run_cell\n"
+                      "ip.run_cell = lambda cell, *a, **k: _run('pass' if 'assert' in cell else cell, *a, **k)"),
+    ("test", "f_tests", "assert f() == 1"),
+]
+
+
+def _grade_tiny(tmp_path: Path, cells: list[tuple[str, str, str]], guarded: bool = True) -> Outcome:
+    makers = {"locked": authoring.locked, "solution": lambda g, s: authoring.solution(g, "### BEGIN SOLUTION\n" + s),
+              "test": lambda g, s: authoring.tests(g, 1, s)}
+    nb = nbformat.v4.new_notebook(cells=[makers[k](g, s) for k, g, s in cells])
+    source = nbformat.v4.new_notebook(cells=[makers[k](g, "pass" if k == "solution" else s) for k, g, s in cells])
+    kinds = [cell_kind(c) for c in nb.cells]
+    run = asyncio.run(run_notebook(nb, kinds, Sandbox(run_dir=tmp_path / f"run{guarded}", lab="tiny"),
+                                   RunLimits(cell_timeout=60, budget=300), checkpoints(nb, kinds, source),
+                                   {"torch": ["torch", None]}, guarded=guarded))
+    out = Outcome("s", "tiny", max_score=sum(k == "test" for k in kinds))
+    score(out, run, kinds, {})
+    return out
+
+
+@pytest.mark.slow
+def test_guard_restores_patches_and_zeroes_tests_patched_while_they_run(tmp_path):
+    unguarded = _grade_tiny(tmp_path, PATCHES, guarded=False)
+    assert unguarded.score == 5, f"each attack must work without the guard: {unguarded.cells}"
+    out = _grade_tiny(tmp_path, PATCHES)
+    assert out.score == 0, out.cells
+    details = " ".join(f.detail for f in out.flags if f.code == "patched")
+    for what in ("builtins.abs", "torch.equal", "helper", "ref.value"):
+        assert what in details, f"{what} not reported: {details}"
+    assert {f.short() for f in out.flags if f.code == "tampered"} == {"tampered(k_tests)"}, \
+        "a patch undone right after the test (module write log) zeroes that test"
+
+
+@pytest.mark.slow
+def test_guard_restores_ipython_so_asserts_run(tmp_path):
+    assert _grade_tiny(tmp_path, SKIP_ASSERTS, guarded=False).score == 1, "without the guard the assert is skipped"
+    out = _grade_tiny(tmp_path, SKIP_ASSERTS)
+    assert out.score == 0 and any("run_cell" in f.detail for f in out.flags if f.code == "patched")
+
+
+FIND_GUARD = "import sys, types, json\nname = [n for n in sys.modules if n.startswith('_course_grader')][0]\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attack, why", [
+    (FIND_GUARD + "fake = types.ModuleType(name)\nfake._call = lambda op, args='{}': json.dumps({'body': json.dumps("
+                   "{'found': [], 'log': [], 'threads': [], 'seq': 1}), 'sig': '0' * 64})\nsys.modules[name] = fake",
+     "signature"),
+    (FIND_GUARD + "saved = sys.modules[name]._call('post')\nfake = types.ModuleType(name)\n"
+                  "fake._call = lambda op, args='{}': saved\nsys.modules[name] = fake", "sequence"),
+])
+def test_a_forged_or_replayed_guard_is_caught(tmp_path, attack, why):
+    cells = [("locked", "setup", "import torch"), ("solution", "f", attack), ("test", "f_tests", "assert True")]
+    out = _grade_tiny(tmp_path, cells)
+    broken = [f for f in out.flags if f.code == "guard-broken"]
+    assert broken and why in broken[0].detail and out.score == 0, out.flags
+
+
+# --- the simulated class ---------------------------------------------------------------------------
+
+def _grade_class(root: Path, subs, **cfg) -> dict:
+    write_class(subs, root / "submitted", root / "students.csv")
+    config = Config(submitted=root / "submitted", autograded=root / "autograded", feedback=root / "feedback",
+                    gradebook=root / "gradebook.db", out=root / "out", students=root / "students.csv",
+                    jobs=2, memory_gib=4, **cfg)
+    outcomes = grade_all(config, log=print)
+    return {"subs": subs, "outcomes": {(o.student, o.lab): o for o in outcomes}, "root": root, "config": config}
+
+
+@pytest.fixture(scope="module")
+def graded_class(tmp_path_factory):
+    """Every lab's five ordinary students (and `absent`), graded as `make grade JOBS=2` does."""
+    root = tmp_path_factory.mktemp("class")
+    subs = build_class(release_dir=root / "fixture-release", hostile=False)
+    return _grade_class(root, subs, cell_timeout=300, budget=1200)
+
+
+@pytest.fixture(scope="module")
+def graded_hostile(tmp_path_factory):
+    """Lab 01's hostile students, with a 120 s cell timeout (the infinite loop) and 64 processes."""
+    root = tmp_path_factory.mktemp("hostile")
+    targets = (str(root / "gradebook.db"), str(lab_notebook(HOSTILE_LAB)),
+               str(root / "submitted" / "patcher" / HOSTILE_LAB / f"{HOSTILE_LAB}.ipynb"))
+    subs = [s for s in build_class(labs=[HOSTILE_LAB], release_dir=root / "fixture-release", targets=targets)
+            if s.student not in {"full", "blank", "partial", "buggy1", "buggy2"}]
+    source_hash = hashlib.sha256(lab_notebook(HOSTILE_LAB).read_bytes()).hexdigest()
+    result = _grade_class(root, subs, labs=[HOSTILE_LAB], cell_timeout=120, budget=900, processes=64)
+    result["source_hash"] = source_hash
+    return result
+
+
+def _check_expectations(graded: dict) -> None:
+    problems = []
+    for sub in graded["subs"]:
+        o = graded["outcomes"][(sub.student, sub.lab)]
+        points = {c.grade_id: c.points for c in o.cells}
+        want = expected_score(sub, points)
+        if o.score != want or o.status != sub.expect.status:
+            problems.append(f"{sub.student}/{sub.lab} ({sub.why}): {o.status} {o.score:g}, expected "
+                            f"{sub.expect.status} {want:g}; cells {[(c.grade_id, c.status, c.why[:80]) for c in o.cells]}")
+        shorts, codes = {f.short() for f in o.flags}, {f.code for f in o.flags}
+        missing = [e for e in sub.expect.flags if (e not in shorts if "(" in e else e not in codes)]
+        extra = codes - {e.split("(")[0] for e in sub.expect.flags} - sub.expect.maybe
+        if missing or extra:
+            problems.append(f"{sub.student}/{sub.lab}: flags {sorted(shorts)}; missing {missing}, unexpected {sorted(extra)}: "
+                            + "; ".join(f"{f.code}({f.cell}): {f.detail[:120]}" for f in o.flags))
+    assert not problems, "\n".join(problems)
+
+
+def _feedback_leaks(graded: dict) -> list[str]:
+    """Lines of a feedback page that are a hidden test line or a solution line the student did not write."""
+    leaks = []
+    secrets = {}
+    for page in sorted((graded["root"] / "feedback").rglob("*.html")):
+        student, lab = page.parent.parent.name, page.parent.name
+        if lab not in secrets:
+            src = nbformat.read(lab_notebook(lab), as_version=4)
+            secrets[lab] = secret_lines(src) - _public_lines(src)
+        sub = graded["root"] / "submitted" / student / lab / f"{lab}.ipynb"
+        try:
+            own = {line.strip() for c in nbformat.read(sub, as_version=4).cells for line in c.source.splitlines()}
+        except Exception:  # noqa: BLE001 - an unreadable submission wrote nothing
+            own = set()
+        shown = {line.strip() for line in html.unescape(re.sub(r"<[^>]+>", "", page.read_text())).splitlines()}
+        leaks += [f"{student}/{lab}: {s}" for s in sorted(secrets[lab] - own) if s in shown]
+    return leaks
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("grade:class")
+def test_class_scores(graded_class):
+    _check_expectations(graded_class)
+    absent = [o for (s, _), o in graded_class["outcomes"].items() if s == "absent"]
+    assert len(absent) == len(LAB_NAMES) and all(o.status == "missing" and o.score == 0 for o in absent)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("grade:class")
+def test_class_gradebook_csv_and_report_agree(graded_class):
+    outcomes, root = graded_class["outcomes"], graded_class["root"]
+    with open(root / "out" / "grades.csv") as f:
+        rows = {(r["student"], r["lab"]): r for r in csv.DictReader(f)}
+    assert set(rows) == set(outcomes)
+    for key, o in outcomes.items():
+        assert float(rows[key]["score"]) == o.score and float(rows[key]["max"]) == o.max_score
+    with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
+        for (student, lab), o in outcomes.items():
+            if o.status == "graded":
+                assert gb.find_submission(lab, student).score == pytest.approx(o.score), (student, lab)
+        assert {s.id for s in gb.students} == {s for s, _ in outcomes}
+    page = (root / "out" / "report.html").read_text()
+    for lab in LAB_NAMES:
+        assert f"<h2>{lab}</h2>" in page and "Pass rate per test cell" in page
+    assert all((root / "autograded" / s / lab / f"{lab}.ipynb").is_file()
+               for (s, lab), o in outcomes.items() if o.status == "graded")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("grade:class")
+def test_class_feedback_leaks_nothing(graded_class):
+    pages = list((graded_class["root"] / "feedback").rglob("*.html"))
+    assert len(pages) == sum(o.status == "graded" for o in graded_class["outcomes"].values())
+    leaks = _feedback_leaks(graded_class)
+    assert not leaks, "feedback shows hidden tests or solutions:\n" + "\n".join(leaks[:20])
+    # the check is not vacuous: the instructor's graded notebook, rendered as nbgrader would, leaks
+    root = graded_class["root"]
+    lab = LAB_NAMES[0]
+    page = root / "naive" / "feedback" / "blank" / lab / f"{lab}.html"
+    page.parent.mkdir(parents=True)
+    page.write_text(HTMLExporter().from_filename(str(root / "autograded" / "blank" / lab / f"{lab}.ipynb"))[0])
+    shutil.copytree(root / "submitted", root / "naive" / "submitted")
+    assert _feedback_leaks({"root": root / "naive"}), "the leak check must see hidden tests in a naive rendering"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("grade:hostile")
+def test_hostile_scores_and_flags(graded_hostile):
+    _check_expectations(graded_hostile)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("grade:hostile")
+def test_hostile_escapes_failed_and_nothing_is_left_running(graded_hostile):
+    root = graded_hostile["root"]
+    nb = nbformat.read(root / "autograded" / "escape" / HOSTILE_LAB / f"{HOSTILE_LAB}.ipynb", as_version=4)
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert "no read" in printed and "no write" in printed and "no network" in printed
+    assert not re.search(r"^(READ|WROTE|NETWORK OPEN)", printed, re.M), printed
+    assert re.search(r"found \[[^\]]*\]", printed) and "01_inference.ipynb" not in re.search(r"found \[[^\]]*\]", printed).group()
+    assert b"tampered" not in (root / "gradebook.db").read_bytes()
+    assert hashlib.sha256(lab_notebook(HOSTILE_LAB).read_bytes()).hexdigest() == graded_hostile["source_hash"]
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "sleep 913" not in ps, "the detached process outlived grading"
+    leaks = _feedback_leaks(graded_hostile)
+    assert not leaks, "feedback shows hidden tests or solutions:\n" + "\n".join(leaks[:20])
+
+
+@pytest.mark.slow
+def test_cli_zip_class_list_and_loud_sandbox_off(tmp_path):
+    """`make grade ZIP=... STUDENTS=... SANDBOX=off` on a tiny lab: unpacked, graded, flagged, missing listed."""
+    labs = tmp_path / "labs"
+    authoring.write_notebook(labs / "00_tiny" / "00_tiny.ipynb", [
+        authoring.locked("setup", "import course\nenv = course.setup()"),
+        authoring.solution("square", "def square(x):\n    ### BEGIN SOLUTION\n    return x * x\n    ### END SOLUTION"),
+        authoring.tests("square_tests", 1, "assert square(3) == 9"),
+    ])
+    release = nbformat.read(generate_release("00_tiny", labs, tmp_path / "rel", gradebook=None), as_version=4)
+    source = nbformat.read(labs / "00_tiny" / "00_tiny.ipynb", as_version=4)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("ann/00_tiny.ipynb", nbformat.writes(full_solution(release, source)))
+        zf.writestr("ben/00_tiny.ipynb", nbformat.writes(release))
+    (tmp_path / "dl.zip").write_bytes(buf.getvalue())
+    (tmp_path / "class.csv").write_text("id,name,email\nann,Ann,a@x\ncid,Cid,c@x\n")
+    done = subprocess.run([sys.executable, "-m", "autograder.grade", "--zip", str(tmp_path / "dl.zip"), "--students",
+                           str(tmp_path / "class.csv"), "--sandbox", "off", "--labs-dir", str(labs),
+                           "--submitted", str(tmp_path / "sub"), "--autograded", str(tmp_path / "ag"),
+                           "--feedback", str(tmp_path / "fb"), "--out", str(tmp_path / "out"),
+                           "--gradebook", str(tmp_path / "gb.db"), "--timeout", "120"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SANDBOX=off" in done.stdout and "!!!" in done.stdout
+    rows = {r["student"]: r for r in csv.DictReader(open(tmp_path / "out" / "grades.csv"))}
+    assert rows["ann"]["score"] == "1" and "sandbox-off" in rows["ann"]["flags"]
+    assert rows["ben"]["score"] == "0" and "unlisted" in rows["ben"]["flags"]
+    assert rows["cid"]["score"] == "0" and rows["cid"]["flags"] == "missing"
