@@ -4,6 +4,7 @@ Every widget is built with `explorer()` (see explorer.py for why: precomputed st
 front-end links switch between). Drawing helpers live in `course.widgets.html`.
 """
 from .batch_timeline import batch_timeline
+from .cache_blocks import cache_blocks
 from .explorer import MAX_STATES, Explorer, explorer
 from .html import bar_table, cell_grid, legend, show_token
 from .token_distribution import next_token_explorer
@@ -13,6 +14,7 @@ __all__ = [
     "Explorer",
     "bar_table",
     "batch_timeline",
+    "cache_blocks",
     "cell_grid",
     "explorer",
     "legend",

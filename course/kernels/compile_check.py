@@ -1,0 +1,83 @@
+"""Compile Triton kernels for a GPU on a machine without one, to catch GPU-only errors early.
+
+The Triton interpreter (TRITON_INTERPRET=1, what a CPU runs) executes kernels with NumPy and
+accepts code that no GPU compiler would: a `break` in a loop, a loop variable that changes dtype,
+`math.sqrt` of a runtime argument, `tl.dot` on tiles smaller than 16. Triton can still compile for
+a GPU target it does not have (ptxas ships with it), but only in a process where the interpreter
+is off. So the check runs in a fresh subprocess without TRITON_INTERPRET:
+
+    results = compile_for_gpu(source, "my_kernel", {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                              {"BLOCK": 64}, archs=(75, 80))
+    # {75: None, 80: None} on success, else {arch: "the compiler's error"}
+
+`source` is Python text that defines the kernel (imports included); `kernel_source(fn)` gets it
+for kernels written in a notebook cell. sm_75 is a T4 (no bf16), sm_80 an A100.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+HEADER = "import math\nimport triton\nimport triton.language as tl\n\n"
+
+_RUNNER = textwrap.dedent("""\
+    import importlib.util, json, sys, traceback
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    path, jobs = sys.argv[1], json.loads(sys.argv[2])
+    spec = importlib.util.spec_from_file_location("kernels_under_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = []
+    for name, signature, constexprs, arch in jobs:
+        try:
+            triton.compile(ASTSource(getattr(mod, name), signature, constexprs), target=GPUTarget("cuda", arch, 32))
+            out.append(None)
+        except Exception as e:  # report, do not stop: the next target may compile
+            out.append(f"{type(e).__name__}: {str(e).strip()[-1500:]}")
+    print("RESULTS" + json.dumps(out))
+""")
+
+
+def kernel_source(*kernels) -> str:
+    """Python text defining the given @triton.jit kernels (interpreted or not), with the imports."""
+    parts = []
+    for k in kernels:
+        fn = getattr(k, "fn", k)                  # JITFunction and InterpretedFunction keep the Python function
+        parts.append(textwrap.dedent(inspect.getsource(fn)))
+    return HEADER + "\n\n".join(parts)
+
+
+def compile_for_gpu(source: str, kernel: str, signature: dict[str, str], constexprs: dict[str, object] | None = None,
+                    archs: tuple[int, ...] = (75, 80), timeout: float = 300) -> dict[int, str | None]:
+    """Compile `kernel` (a name defined by `source`) for each CUDA compute capability in `archs`
+    (75 = T4, 80 = A100, 90 = H100). Returns {arch: None if it compiled, else the error text}.
+
+    `signature` maps every argument to a Triton type ("*fp16", "*fp32", "*i32", "i32", "fp32") or
+    "constexpr"; `constexprs` gives the constexpr values."""
+    results = compile_many(source, [(kernel, signature, constexprs or {}, arch) for arch in archs], timeout)
+    return dict(zip(archs, results))
+
+
+def compile_many(source: str, jobs: list[tuple[str, dict, dict, int]], timeout: float = 300) -> list[str | None]:
+    """Several (kernel, signature, constexprs, arch) compilations of one source in one subprocess."""
+    if not isinstance(source, str) or "@triton.jit" not in source:
+        raise ValueError("source must be Python text defining @triton.jit kernels (see kernel_source)")
+    with tempfile.TemporaryDirectory(prefix="triton-compile-check-") as tmp:
+        path = Path(tmp) / "kernels_under_check.py"
+        path.write_text(source)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["TRITON_CACHE_DIR"] = str(Path(tmp) / "cache")      # a fresh compile every time, nothing left behind
+        proc = subprocess.run([sys.executable, "-c", _RUNNER, str(path), json.dumps(jobs)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the compile-check process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULTS"):])
