@@ -172,14 +172,17 @@ class Sandbox:
                 args.extend(["--symlink", os.readlink(link), link])
             elif os.path.isdir(link):
                 ro(link)
+        # The private /tmp goes in before Python and the course: mounted after them, it would hide
+        # them when they live under /tmp (a checkout in /tmp, as CI may make).
+        size = str(self.limits.tmpfs_bytes)
+        args.extend(["--perms", "1777", "--size", size, "--tmpfs", "/tmp"])
+        made.add("/tmp")
         for d in _python_mounts():
             ro(d)
         ro(course_package_dir())
         args.extend(["--proc", "/proc", "--dev", "/dev"])
         if os.path.isdir("/sys/devices/system/cpu"):
             ro("/sys/devices/system/cpu")               # torch and OpenMP count cores here
-        size = str(self.limits.tmpfs_bytes)
-        args.extend(["--perms", "1777", "--size", size, "--tmpfs", "/tmp"])
         parents(HOME)
         args.extend(["--perms", "0777", "--size", size, "--tmpfs", HOME])
         args.extend(["--perms", "0777", "--dir", self.cwd])
