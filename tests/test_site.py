@@ -184,7 +184,7 @@ def test_landing_page(site_dir, tmp_path):
             assert student.count() == 1, f"no student-version link for {lab.name}"
             assert (site_dir / student.get_attribute("href")).is_file()
         for words in ("The course map", "Prerequisites", "CPU or GPU", "student version", "Colab", "instructors",
-                      "You build", "Builds on"):
+                      "You build", "Builds on", "make grade", "self_check"):
             assert words.lower() in text.lower(), f"the landing page does not say {words!r}"
         assert page.locator("nav.site-nav a.site-home").count() == 2
         shot = tmp_path / "index.png"
