@@ -13,3 +13,18 @@ SETUP = '''
 import course
 env = course.setup()
 '''
+CHECK_YOUR_WORK = '''
+## Check your work
+
+Before you hand the lab in, run every visible test at once. This works in any kernel (Colab, VS
+Code, Jupyter) and needs nothing but the course package. Paste it into a new cell at the end:
+
+```python
+from course.selfcheck import self_check
+self_check()
+```
+
+It runs each test cell of this notebook again and prints `pass` or `FAIL` with the reason. A
+test that prints a warning counts as failed, as in grading. Your copy holds only the visible
+tests: passing them all is necessary, not sufficient. The hidden tests run when your work is graded.
+'''

@@ -3,7 +3,7 @@
     .venv/bin/python -m autograder.lab_builders.lab01
 """
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
-from autograder.lab_builders.common_cells import COLAB_INSTALL, SETUP  # noqa: E402
+from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
 cells = [
 md(r"""
@@ -413,5 +413,5 @@ token. Lab 02 measures the two phases this creates (prefill and decode); lab 03 
 """),
 ]
 
-write_notebook("labs/01_inference/01_inference.ipynb", cells)
+write_notebook("labs/01_inference/01_inference.ipynb", cells + [md(CHECK_YOUR_WORK)])
 print("wrote labs/01_inference/01_inference.ipynb")

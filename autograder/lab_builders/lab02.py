@@ -4,7 +4,7 @@
 """
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
 
-from autograder.lab_builders.common_cells import COLAB_INSTALL as INSTALL  # noqa: E402
+from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL as INSTALL  # noqa: E402
 
 cells = []
 add = cells.append
@@ -975,5 +975,5 @@ smaller caches (GQA, MQA, 8-bit KV) and prefills split into chunks, which bound 
   performance model for multicore architectures*, Communications of the ACM, 2009.
 '''))
 
-path = write_notebook("labs/02_prefill_decode/02_prefill_decode.ipynb", cells)
+path = write_notebook("labs/02_prefill_decode/02_prefill_decode.ipynb", cells + [md(CHECK_YOUR_WORK)])
 print("wrote", path)

@@ -3,7 +3,7 @@
     .venv/bin/python -m autograder.lab_builders.lab03
 """
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
-from autograder.lab_builders.common_cells import COLAB_INSTALL, SETUP  # noqa: E402
+from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
 cells = [
 md(r"""
@@ -963,5 +963,5 @@ cache removes compute that grows with the **square** of the length, and pays wit
 """),
 ]
 
-write_notebook("labs/03_kv_cache/03_kv_cache.ipynb", cells)
+write_notebook("labs/03_kv_cache/03_kv_cache.ipynb", cells + [md(CHECK_YOUR_WORK)])
 print("wrote labs/03_kv_cache/03_kv_cache.ipynb")

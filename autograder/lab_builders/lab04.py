@@ -3,7 +3,7 @@
     .venv/bin/python -m autograder.lab_builders.lab04
 """
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
-from autograder.lab_builders.common_cells import COLAB_INSTALL, SETUP  # noqa: E402
+from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
 # The independent reference of the hidden tests: an uncached greedy loop over the plain decoder,
 # and tiny random models with decisive logits (large weights: no near-ties between top tokens).
@@ -977,5 +977,5 @@ throughput of Hugging Face transformers, much of it from fitting more requests i
 """),
 ]
 
-write_notebook("labs/04_batching/04_batching.ipynb", cells)
+write_notebook("labs/04_batching/04_batching.ipynb", cells + [md(CHECK_YOUR_WORK)])
 print("wrote labs/04_batching/04_batching.ipynb")

@@ -3,7 +3,7 @@
     .venv/bin/python -m autograder.lab_builders.lab05
 """
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
-from autograder.lab_builders.common_cells import COLAB_INSTALL, SETUP  # noqa: E402
+from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
 # Independent references of the hidden tests (they live only here, in the instructor's source):
 # dense attention over per-sequence K/V in float64, paged inputs built by scattering dense K/V into
@@ -1617,5 +1617,5 @@ md(r"""
 """),
 ]
 
-write_notebook("labs/05_paged_attention/05_paged_attention.ipynb", cells)
+write_notebook("labs/05_paged_attention/05_paged_attention.ipynb", cells + [md(CHECK_YOUR_WORK)])
 print("wrote labs/05_paged_attention/05_paged_attention.ipynb")
