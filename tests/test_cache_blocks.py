@@ -26,7 +26,7 @@ def test_owners_and_stats():
 def test_widget_steps_through_the_snapshots():
     w = cache_blocks(STEPS, block_size=2, n_blocks=6, labels=["prefill", "fork, copy-on-write"], title="tiny")
     assert isinstance(w.controls["step"], widgets.SelectionSlider) and w.options[0] == [0, 1]
-    assert w.controls["step"].index == 1 and w.stack.selected_index == 1, "opens on the last step"
+    assert w.controls["step"].index == 1 and w.stack.selected_index == 1, "opens on the busiest step"
     first, last = w.html_at(step=0), w.html_at(step=1)
     assert "step 0</b> · prefill · 2 of 6 blocks in use · 0 shared" in first
     assert "step 1</b> · fork, copy-on-write · 3 of 6 blocks in use · 1 shared" in last

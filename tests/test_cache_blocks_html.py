@@ -41,7 +41,7 @@ def test_step_slider_replays_the_blocks_offline(page_file, tmp_path):
         out = view.page.locator(".jp-OutputArea-output").first
         out.locator("text=fork and copy-on-write").first.wait_for(timeout=30_000)
         text = out.inner_text()
-        assert "3 of 6 blocks in use" in text and "1 shared" in text, "opens on the last step: the fork"
+        assert "3 of 6 blocks in use" in text and "1 shared" in text, "opens on the busiest step: the fork"
         assert "P4 req 0, req 1 · ref 2" in text, "the shared block names both users"
 
         handle = out.locator(".noUi-handle").first

@@ -106,7 +106,9 @@ def cache_blocks(snapshots: Sequence[Mapping], block_size: int, n_blocks: int,
         return _draw(snap, block_size, n_blocks, colors, step, label)
 
     steps = list(range(len(snapshots)))
-    return explorer(render, {"step": steps}, title=title, labels={"step": "engine step"}, initial={"step": steps[-1]})
+    # Open on the first step with the most blocks in use: the last step of a run is often an empty pool.
+    busiest = max(steps, key=lambda t: (block_stats(snapshots[t], block_size).used_blocks, -t))
+    return explorer(render, {"step": steps}, title=title, labels={"step": "engine step"}, initial={"step": busiest})
 
 
 # --- drawing ---------------------------------------------------------------------------------------
