@@ -7,6 +7,8 @@ from .batch_timeline import batch_timeline
 from .cache_blocks import cache_blocks
 from .explorer import MAX_STATES, Explorer, explorer
 from .html import bar_table, cell_grid, legend, show_token
+from .prefix_blocks import prefix_blocks
+from .sampling_explorer import sampling_explorer
 from .token_distribution import next_token_explorer
 
 __all__ = [
@@ -19,5 +21,7 @@ __all__ = [
     "explorer",
     "legend",
     "next_token_explorer",
+    "prefix_blocks",
+    "sampling_explorer",
     "show_token",
 ]
