@@ -220,7 +220,7 @@ SKIP_ASSERTS = [
 ]
 
 
-def _grade_tiny(tmp_path: Path, cells: list[tuple[str, str, str]], guarded: bool = True) -> Outcome:
+def _grade_tiny(tmp_path: Path, cells: list[tuple[str, str, str]], guarded: bool = True, aliases=None) -> Outcome:
     makers = {"locked": authoring.locked, "solution": lambda g, s: authoring.solution(g, "### BEGIN SOLUTION\n" + s),
               "test": lambda g, s: authoring.tests(g, 1, s)}
     nb = nbformat.v4.new_notebook(cells=[makers[k](g, s) for k, g, s in cells])
@@ -228,7 +228,7 @@ def _grade_tiny(tmp_path: Path, cells: list[tuple[str, str, str]], guarded: bool
     kinds = [cell_kind(c) for c in nb.cells]
     run = asyncio.run(run_notebook(nb, kinds, Sandbox(run_dir=tmp_path / f"run{guarded}", lab="tiny"),
                                    RunLimits(cell_timeout=60, budget=300), checkpoints(nb, kinds, source),
-                                   {"torch": ["torch", None]}, guarded=guarded))
+                                   aliases or {"torch": ["torch", None]}, guarded=guarded))
     out = Outcome("s", "tiny", max_score=sum(k == "test" for k in kinds))
     score(out, run, kinds, {})
     return out
@@ -252,6 +252,17 @@ def test_guard_restores_ipython_so_asserts_run(tmp_path):
     assert _grade_tiny(tmp_path, SKIP_ASSERTS, guarded=False).score == 1, "without the guard the assert is skipped"
     out = _grade_tiny(tmp_path, SKIP_ASSERTS)
     assert out.score == 0 and any("run_cell" in f.detail for f in out.flags if f.code == "patched")
+
+
+@pytest.mark.slow
+def test_an_import_of_a_name_the_package_rebinds_is_not_a_patch(tmp_path):
+    # course.widgets binds `cache_blocks` to the function although a submodule of that name exists:
+    # `from course.widgets import cache_blocks` gives the function, and that is no tampering
+    cells = [("locked", "setup", "import torch\nfrom course.widgets import cache_blocks"),
+             ("solution", "f", "from course.widgets import cache_blocks"),
+             ("test", "f_tests", "import types\nassert not isinstance(cache_blocks, types.ModuleType)")]
+    out = _grade_tiny(tmp_path, cells, aliases={"torch": ["torch", None], "cache_blocks": ["course.widgets", "cache_blocks"]})
+    assert out.score == 1 and not out.flags, out.flags
 
 
 FIND_GUARD = "import sys, types, json\nname = [n for n in sys.modules if n.startswith('_course_grader')][0]\n"

@@ -66,9 +66,9 @@ def executed_lab(source: Path, session) -> nbformat.NotebookNode:
             time.sleep(2)
 
 
-def hidden_lines(source_nb: nbformat.NotebookNode) -> tuple[set[str], set[str]]:
-    """(lines only hidden tests hold, long ones among them): stripped, minus any line the source
-    also shows outside a hidden region (`else:` is in many cells)."""
+def hidden_lines(source_nb: nbformat.NotebookNode) -> tuple[set[str], set[str], set[str]]:
+    """(lines only hidden tests hold, long ones among them, the lines shown outside hidden
+    regions): stripped; a line the source also shows publicly is no secret (`else:`)."""
     hidden, public = set(), set()
     for cell in source_nb.cells:
         inside = False
@@ -80,14 +80,14 @@ def hidden_lines(source_nb: nbformat.NotebookNode) -> tuple[set[str], set[str]]:
             else:
                 (hidden if inside else public).add(line.strip())
     secret = {s for s in hidden - public if s}
-    return secret, {s for s in secret if len(s) >= 30}
+    return secret, {s for s in secret if len(s) >= 30}, public
 
 
 def hidden_leaks(out_dir: Path, source_nb: nbformat.NotebookNode, lab: str | None = None) -> list[str]:
     """Every place a built file shows a hidden-test marker, or (in the landing page and `lab`'s
     own files; other labs' code may share a plain line like `for _ in range(n):`) a hidden line
     of `source_nb`, as text with the tags removed."""
-    secret, long_ones = hidden_lines(source_nb)
+    secret, long_ones, public = hidden_lines(source_nb)
     leaks = []
     for path in sorted(p for p in out_dir.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()):
         if "_vendor" in path.parts:
@@ -104,7 +104,10 @@ def hidden_leaks(out_dir: Path, source_nb: nbformat.NotebookNode, lab: str | Non
             continue
         lines = {line.strip() for line in text.splitlines()}
         leaks += [f"{where}: {s}" for s in sorted(secret & lines)]
-        leaks += [f"{where}: {s}" for s in sorted(long_ones - lines) if s in text]
+        # a long hidden line inside another line (reformatted, wrapped in an output), unless that
+        # line is one the source shows: `assert f(x)[0] == 2` contains a hidden `f(x)`
+        unshown = "\n".join(line for line in text.splitlines() if line.strip() not in public)
+        leaks += [f"{where}: {s}" for s in sorted(long_ones - lines) if s in unshown]
     return leaks
 
 

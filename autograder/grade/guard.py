@@ -263,13 +263,17 @@ def _install():  # everything stays inside this function: one name in the user n
                 if callable(v) and isinstance(getattr(cls, a, None), (types.FunctionType, property))}
 
     def expected_alias(mod_name, attr):
+        # What the import binds: `from pkg import name` reads pkg.name first (the snapshot when pkg is
+        # watched) and falls back to the submodule pkg.name; a package may rebind the name, as
+        # course.widgets does (`from .sampling_explorer import sampling_explorer`: the function).
         if attr is None:
             return sys.modules.get(mod_name, missing)
-        if f"{mod_name}.{attr}" in sys.modules:
-            return sys.modules[f"{mod_name}.{attr}"]
         if mod_name in modules:
-            return modules[mod_name][1].get(attr, missing)
-        return missing
+            if attr in modules[mod_name][1]:
+                return modules[mod_name][1][attr]
+        elif mod_name in sys.modules and hasattr(sys.modules[mod_name], attr):
+            return getattr(sys.modules[mod_name], attr)
+        return sys.modules.get(f"{mod_name}.{attr}", missing)
 
     def reply(body):
         state["seq"] += 1
