@@ -123,6 +123,8 @@ def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
     else:
         log("!" * 78 + "\n!!! SANDBOX=off: student code runs with YOUR rights, network and files. Only do this\n"
             "!!! inside a container or VM that exists for grading. Every result is flagged sandbox-off.\n" + "!" * 78)
+    if cfg.gradebook is not None:  # SQLite creates the file, not its folder (else: a misleading "db upgrade" error)
+        cfg.gradebook.parent.mkdir(parents=True, exist_ok=True)
     releases = {lab: generate_release(lab, cfg.labs_dir, tmp / "release", cfg.gradebook) for lab in labs}
     sources = {lab: lab_notebook(lab, cfg.labs_dir) for lab in labs}
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cfg.jobs))
