@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from course.models.config import ModelConfig
-from course.models.decoder import Decoder, apply_rope, check_ids, rope_cos_sin
+from course.engine.runner import embed, project_qkv
+from course.models.decoder import Decoder, check_ids
 
 
 class PagedKVCache:
@@ -106,19 +107,10 @@ def forward_paged(model: Decoder, input_ids: torch.Tensor, position_ids: torch.T
         raise ValueError(f"decode takes one token per sequence, input_ids (B, 1), with block_tables (B, max_blocks) "
                          f"and context_lens (B,); got input_ids {(B, T)}")
     scale = 1.0 / math.sqrt(D)
-    x = model.embed(input_ids)                                            # (B, T, C)
-    rope = None
-    if cfg.family == "gpt2":
-        x = x + model.pos_embed(position_ids)
-    else:
-        rope = rope_cos_sin(position_ids, D, cfg.rope_theta)
+    x, rope = embed(model, input_ids, position_ids)                       # (B, T, C)
     for i, block in enumerate(model.blocks):
-        attn, h = block.attn, block.attn_norm(x)
-        q = attn.q_proj(h).view(B, T, H, D).transpose(1, 2)               # (B, H, T, D)
-        k = attn.k_proj(h).view(B, T, Hkv, D).transpose(1, 2)             # (B, Hkv, T, D)
-        v = attn.v_proj(h).view(B, T, Hkv, D).transpose(1, 2)             # (B, Hkv, T, D)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        attn = block.attn
+        q, k, v = project_qkv(model, block, x, rope)                      # (B, H, T, D), (B, Hkv, T, D) x 2
         k_cache, v_cache = cache.layer(i)                                 # (n_blocks, block_size, Hkv, D) each
         write_kv(k_cache, v_cache, k.transpose(1, 2).reshape(B * T, Hkv, D).to(k_cache.dtype),
                  v.transpose(1, 2).reshape(B * T, Hkv, D).to(v_cache.dtype), slot_mapping)

@@ -43,19 +43,10 @@ def forward_cached(model: Decoder, input_ids: torch.Tensor, position_ids: torch.
     seen = (j <= pos[..., None]) & (cache.valid[slots, None, :L] | (j == pos[..., None]))  # (B, T, L)
     seen = seen[:, None]                                                  # (B, 1, T, L): same for every head
 
-    x = model.embed(input_ids)                                            # (B, T, C)
-    rope = None
-    if cfg.family == "gpt2":
-        x = x + model.pos_embed(position_ids)
-    else:
-        rope = rope_cos_sin(position_ids, D, cfg.rope_theta)
+    x, rope = embed(model, input_ids, position_ids)                       # (B, T, C)
     for i, block in enumerate(model.blocks):
-        attn, h = block.attn, block.attn_norm(x)
-        q = attn.q_proj(h).view(B, T, H, D).transpose(1, 2)               # (B, H, T, D)
-        k = attn.k_proj(h).view(B, T, Hkv, D).transpose(1, 2)             # (B, Hkv, T, D)
-        v = attn.v_proj(h).view(B, T, Hkv, D).transpose(1, 2)             # (B, Hkv, T, D)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        attn = block.attn
+        q, k, v = project_qkv(model, block, x, rope)                      # (B, H, T, D), (B, Hkv, T, D) x 2
         # write: cache.k[i] is (n_slots, Hkv, max_len, D); indexing slot and position gives (B, T, Hkv, D)
         cache.k[i][slots[:, None], :, pos] = k.transpose(1, 2).to(cache.k.dtype)
         cache.v[i][slots[:, None], :, pos] = v.transpose(1, 2).to(cache.v.dtype)
@@ -100,3 +91,27 @@ def _check(model, input_ids, position_ids, cache, slots, attention_mask) -> tupl
         if n > cache.max_len:
             raise ValueError(f"slot {s} would hold {n} tokens, max_len is {cache.max_len}")
     return B, T, start
+
+
+def embed(model: Decoder, input_ids: torch.Tensor, position_ids: torch.Tensor):
+    """The input of layer 0, (B, T, C), and the RoPE tables (None for GPT-2's learned positions)."""
+    cfg = model.cfg
+    x = model.embed(input_ids)                                            # (B, T, C)
+    if cfg.family == "gpt2":
+        return x + model.pos_embed(position_ids), None
+    return x, rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta)
+
+
+def project_qkv(model: Decoder, block, x: torch.Tensor, rope):
+    """One layer's queries (B, H, T, D) and new keys and values (B, Hkv, T, D), positions applied:
+    what every cached forward (slots here, blocks in paged.py) computes before it touches a cache."""
+    cfg, attn = model.cfg, block.attn
+    B, T, _ = x.shape
+    H, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    h = block.attn_norm(x)
+    q = attn.q_proj(h).view(B, T, H, D).transpose(1, 2)                   # (B, H, T, D)
+    k = attn.k_proj(h).view(B, T, Hkv, D).transpose(1, 2)                 # (B, Hkv, T, D)
+    v = attn.v_proj(h).view(B, T, Hkv, D).transpose(1, 2)                 # (B, Hkv, T, D)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    return q, k, v
