@@ -9,6 +9,7 @@ from .explorer import MAX_STATES, Explorer, explorer
 from .html import bar_table, cell_grid, legend, show_token
 from .prefix_blocks import prefix_blocks
 from .sampling_explorer import sampling_explorer
+from .spec_trace import spec_trace
 from .token_distribution import next_token_explorer
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "prefix_blocks",
     "sampling_explorer",
     "show_token",
+    "spec_trace",
 ]
