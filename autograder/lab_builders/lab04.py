@@ -3,31 +3,12 @@
     .venv/bin/python -m autograder.lab_builders.lab04
 """
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
+from autograder.lab_builders.hidden_refs import greedy_and_tiny  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
 # The independent reference of the hidden tests: an uncached greedy loop over the plain decoder,
 # and tiny random models with decisive logits (large weights: no near-ties between top tokens).
-HIDDEN_REFERENCE = r'''
-def _ref_greedy(m, prompt, n, eos=None):
-    # new tokens of `prompt` alone, no cache: the whole sequence through m.forward every step
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            x = torch.tensor([list(prompt) + out], device=m.device)
-            out.append(int(m(x, torch.arange(x.shape[1], device=m.device)[None])[0, -1].argmax()))
-            if out[-1] == eos:
-                break
-    return out
-def _tiny(family, seed):
-    torch.manual_seed(seed)
-    cfg = course.ModelConfig(family=family, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2 if family == "llama" else 4,
-                             d_model=32, d_ff=64, max_seq_len=64)
-    m = course.Decoder(cfg).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn_like(p) * 0.5)
-    return m
-'''.strip("\n")
+HIDDEN_REFERENCE = greedy_and_tiny(max_seq_len=64)
 
 cells = [
 md(r"""

@@ -3,6 +3,7 @@
     .venv/bin/python -m autograder.lab_builders.lab05
 """
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
+from autograder.lab_builders.hidden_refs import greedy_and_tiny  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
 # Independent references of the hidden tests (they live only here, in the instructor's source):
@@ -42,25 +43,7 @@ def _paged_case(lens, H, Hkv, D, bs, dtype, seed, pad_width=0):
     return q, k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32), ks, vs
 '''.strip("\n")
 
-HIDDEN_GREEDY = r'''
-def _ref_greedy(m, prompt, n):
-    # new tokens of `prompt` alone, no cache: the whole sequence through m.forward every step
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            x = torch.tensor([list(prompt) + out], device=m.device)
-            out.append(int(m(x, torch.arange(x.shape[1], device=m.device)[None])[0, -1].argmax()))
-    return out
-def _tiny(family, seed, n_kv_head):
-    torch.manual_seed(seed)
-    cfg = course.ModelConfig(family=family, vocab_size=64, n_layer=2, n_head=4, n_kv_head=n_kv_head,
-                             d_model=32, d_ff=64, max_seq_len=64)
-    m = course.Decoder(cfg).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn_like(p) * 0.5)
-    return m
-'''.strip("\n")
+HIDDEN_GREEDY = greedy_and_tiny(max_seq_len=64)
 
 cells = [
 md(r"""

@@ -3,30 +3,13 @@
     .venv/bin/python -m autograder.lab_builders.lab08
 """
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
+from autograder.lab_builders.hidden_refs import greedy_and_tiny  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
 # Independent references of the hidden tests (they live only here, in the instructor's source):
 # a greedy loop with no cache at all, tiny random models, and a "pool content" model that writes
 # each token's id into its slot and reads every live sequence back through its table.
-HIDDEN_REF = r'''
-def _ref_greedy(m, prompt, n):
-    # new tokens of `prompt` alone, no cache: the whole sequence through m.forward every step
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            x = torch.tensor([list(prompt) + out], device=m.device)
-            out.append(int(m(x, torch.arange(x.shape[1], device=m.device)[None])[0, -1].argmax()))
-    return out
-def _tiny(family, seed, n_kv_head):
-    torch.manual_seed(seed)
-    cfg = course.ModelConfig(family=family, vocab_size=64, n_layer=2, n_head=4, n_kv_head=n_kv_head,
-                             d_model=32, d_ff=64, max_seq_len=128)
-    m = course.Decoder(cfg).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn_like(p) * 0.5)
-    return m
-'''.strip("\n")
+HIDDEN_REF = greedy_and_tiny(max_seq_len=128)
 
 HIDDEN_STRESS = r'''
 def _stress(hash_fn, n_blocks, bs, n_ops, seed):
@@ -129,7 +112,8 @@ import torch
 import torch.nn.functional as F
 
 from course.engine import PagedKVCache, block_table_tensor, forward_paged
-from course.models.decoder import apply_rope, check_ids, rope_cos_sin
+from course.engine.runner import embed, project_qkv   # lab 03's layer input and q/k/v (with RoPE), shared by every forward
+from course.models.decoder import check_ids
 from course.timing import benchmark, clock
 
 tokenizer = course.load_tokenizer()
@@ -722,26 +706,16 @@ def forward_extend(model, input_ids, position_ids, cache: PagedKVCache, slot_map
         raise ValueError(f"the block table holds {len(block_table) * bs} slots; the context needs {L}")
     blocks = torch.tensor(block_table[:-(-L // bs)], device=cache.device)
     mask = torch.arange(L, device=cache.device)[None, :] <= position_ids[0, :, None]   # (T, L): causal
-    x = model.embed(input_ids)                                              # (1, T, C)
-    rope = None
-    if cfg.family == "gpt2":
-        x = x + model.pos_embed(position_ids)
-    else:
-        rope = rope_cos_sin(position_ids, D, cfg.rope_theta)
+    x, rope = embed(model, input_ids, position_ids)                         # (1, T, C)
     for i, block in enumerate(model.blocks):
-        attn, h = block.attn, block.attn_norm(x)
-        q = attn.q_proj(h).view(1, T, H, D).transpose(1, 2)                # (1, H, T, D)
-        k = attn.k_proj(h).view(1, T, Hkv, D).transpose(1, 2)              # (1, Hkv, T, D)
-        v = attn.v_proj(h).view(1, T, Hkv, D).transpose(1, 2)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = project_qkv(model, block, x, rope)                        # (1, H, T, D), (1, Hkv, T, D) x 2
         k_cache, v_cache = cache.layer(i)
         write_kv(k_cache, v_cache, k[0].transpose(0, 1).to(k_cache.dtype), v[0].transpose(0, 1).to(v_cache.dtype), slot_mapping)
         kk = k_cache[blocks].reshape(-1, Hkv, D)[:L].transpose(0, 1)[None].to(q.dtype)   # (1, Hkv, L, D)
         vv = v_cache[blocks].reshape(-1, Hkv, D)[:L].transpose(0, 1)[None].to(q.dtype)
         kk, vv = kk.repeat_interleave(cfg.group_size, dim=1), vv.repeat_interleave(cfg.group_size, dim=1)
         y = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)      # (1, H, T, D)
-        x = x + attn.o_proj(y.transpose(1, 2).reshape(1, T, H * D))
+        x = x + block.attn.o_proj(y.transpose(1, 2).reshape(1, T, H * D))
         x = x + block.mlp(block.mlp_norm(x))
     return model.lm_head(model.norm(x))                                     # (1, T, V)
 '''),
