@@ -8,6 +8,9 @@ Reused by every test that looks at rendered HTML (widgets, the course site):
         ...
     view.assert_offline(); view.assert_no_errors()
 
+A widget test first makes its page with `widget_page(folder, cell, ...)`: the cells run in a real
+kernel, the widget state is saved as JupyterLab saves it, and the notebook is exported to static HTML.
+
 Playwright drives the system chromium (`make browser` installs it); Playwright's own browser
 download is never used. Requests that would leave the machine are recorded and aborted, so a
 page that needs the network fails the test instead of hanging or silently passing.
@@ -88,3 +91,18 @@ def is_blank(png: str | os.PathLike) -> bool:
     with Image.open(png) as img:
         spread = ImageStat.Stat(img.convert("L")).stddev[0]
     return spread < 2.0
+
+
+def widget_page(folder: str | os.PathLike, *cells) -> Path:
+    """Run `cells` (code strings, or nbformat cells) as one notebook in a fresh kernel, keep its widget
+    state, and export it to `folder`/page.html with `course.static_html`; returns that path."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from course.static_html import export_html
+
+    chromium_path()  # fail fast, before the kernel starts, if chromium is missing
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) if isinstance(c, str) else c for c in cells])
+    NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(folder)}}).execute()
+    assert "widgets" in nb.metadata, "nbclient saved no widget state"
+    return export_html(nb, Path(folder) / "page.html")

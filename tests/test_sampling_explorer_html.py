@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import textwrap
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from browser import chromium_path, is_blank, open_page
-from course.static_html import export_html
+from browser import is_blank, open_page, widget_page
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -39,12 +36,7 @@ CELL = textwrap.dedent("""\
 
 @pytest.fixture(scope="module")
 def page_file(tmp_path_factory):
-    chromium_path()  # fail fast, before the kernel starts, if chromium is missing
-    tmp = tmp_path_factory.mktemp("sampling_explorer_html")
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL)])
-    NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(tmp)}}).execute()
-    assert "widgets" in nb.metadata, "nbclient saved no widget state"
-    return export_html(nb, tmp / "page.html")
+    return widget_page(tmp_path_factory.mktemp("sampling_explorer_html"), CELL)
 
 
 def test_sliders_reshape_the_distribution_offline(page_file, tmp_path):

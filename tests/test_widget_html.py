@@ -12,10 +12,8 @@ import textwrap
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from browser import chromium_path, is_blank, open_page
-from course.static_html import export_html
+from browser import is_blank, open_page, widget_page
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -46,17 +44,9 @@ def probabilities(t: float) -> list[str]:
 @pytest.fixture(scope="module")
 def page_file(tmp_path_factory):
     """An executed notebook with two widgets, exported to static HTML."""
-    chromium_path()  # fail fast, before the kernel starts, if chromium is missing
-    tmp = tmp_path_factory.mktemp("widget_html")
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [
-        nbformat.v4.new_markdown_cell("# Widgets offline\nSoftmax with temperature: $p_i \\propto e^{z_i/T}$."),
-        nbformat.v4.new_code_cell(TOKEN_CELL),
-        nbformat.v4.new_code_cell(GRID_CELL),
-    ]
-    NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(tmp)}}).execute()
-    assert "widgets" in nb.metadata, "nbclient saved no widget state"
-    return export_html(nb, tmp / "page.html")
+    return widget_page(tmp_path_factory.mktemp("widget_html"),
+                       nbformat.v4.new_markdown_cell("# Widgets offline\nSoftmax with temperature: $p_i \\propto e^{z_i/T}$."),
+                       TOKEN_CELL, GRID_CELL)
 
 
 def test_widgets_work_offline_in_static_html(page_file, tmp_path):
