@@ -44,6 +44,8 @@ def test_widget_replays_one_run_with_a_slider():
         assert COLORS[fate] in w.html_at(step=2), f"{fate} is drawn at pass 2"
     assert "background: " + COLORS["bonus"] in first, "pass 1 ends with a bonus token"
     assert "no draft" in last and "0/0 accepted" in last
+    assert "(plain step)" in last and "(plain step)" not in first, \
+        "a step with no draft is a plain decoding step: its token is neither a bonus nor a correction"
 
 
 def test_several_runs_get_a_picker_and_shorter_runs_stop():
@@ -51,6 +53,8 @@ def test_several_runs_get_a_picker_and_shorter_runs_stop():
     w = spec_trace({"draft": STEPS, "lookup": short}, decode)
     assert list(w.controls) == ["run", "step"] and isinstance(w.controls["run"], widgets.ToggleButtons)
     assert "after 1 of 1 target passes" in w.html_at(run="lookup", step=3), "past its end a run shows its last pass"
+    assert "this run was done after 1 pass)" in w.html_at(run="lookup", step=3), "and says that it ended"
+    assert "was done" not in w.html_at(run="draft", step=3), "a run at its own last pass has not ended early"
     assert "after 2 of 3 target passes" in w.html_at(run="draft", step=2)
 
 

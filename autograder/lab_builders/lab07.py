@@ -900,7 +900,7 @@ md(r"""
 
 Every step of a run, replayed. Underlined green: drafts the target accepted; struck-out red: the
 first rejected draft; grey: drafts after it, discarded unchecked; orange: the target's correction;
-blue: a bonus token (all drafts passed). Pick a drafter and move the slider: one position is one
+blue: a bonus token (all drafts passed); light grey: a plain step (no draft to check). Pick a drafter and move the slider: one position is one
 target pass. The table lists the latest passes.
 """),
 code(r"""
@@ -978,7 +978,7 @@ fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
 for name, color in zip(drafters, ("C0", "C2")):
     xs = gammas
     axes[0].plot(xs, [rows[name, g]["per_pass"] for g in xs], "o", color=color, label=f"{name}: measured")
-    axes[0].plot(xs, [rows[name, g]["formula"] for g in xs], "--", color=color, label=f"{name}: (1-a^(g+1))/(1-a)")
+    axes[0].plot(xs, [rows[name, g]["formula"] for g in xs], "x--", color=color, label=f"{name}: (1-a^(g+1))/(1-a)")
     axes[1].plot(xs, [rows[name, g]["speedup"] for g in xs], "o-", color=color, label=name)
 axes[0].set_xlabel("draft length gamma"); axes[0].set_ylabel("tokens per target pass"); axes[0].legend(fontsize=8)
 axes[1].axhline(1, color="gray", lw=1); axes[1].set_xlabel("draft length gamma"); axes[1].set_ylabel("speedup over plain decoding")

@@ -11,7 +11,8 @@ One step = one forward pass of the target. The trace format, written by lab 07's
 A step with n accepted keeps drafted[:n] and appends the target's token: a *bonus* token when
 n == len(drafted) (every draft passed, so the target's extra row is free), otherwise a
 *correction* (greedy) or *resample* drawn from max(0, p - q) (sampling). Drafts after the first
-rejected one are *discarded* without being checked. A step slider replays the run: the text so far
+rejected one are *discarded* without being checked. A step with no draft at all (prompt lookup
+found no match) is a *plain* decoding step: its token is neither a bonus nor a correction. A step slider replays the run: the text so far
 and the latest steps, each draft coloured by its fate.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ COLORS = {
     "discarded": "#BBBBBB",
     "bonus": "#0072B2",
     "correction": "#E69F00",
+    "plain step": "#DDDDDD",     # no draft: an ordinary decoding step
 }
 MAX_SLIDER_STEPS = 60   # more steps than this: the slider moves several steps at a time
 RECENT = 8              # steps listed in the table under the text
@@ -66,6 +68,11 @@ def trace_stats(steps: Sequence, upto: int | None = None) -> TraceStats:
         accepted=sum(n for _, n, _ in part), rejections=sum(n < len(d) for d, n, _ in part))
 
 
+def target_kind(drafted: Sequence[int], n_accepted: int) -> str:
+    """What the target's token of a step is: a bonus (every draft passed), a correction, or a plain step (no draft)."""
+    return "plain step" if not drafted else "bonus" if n_accepted == len(drafted) else "correction"
+
+
 def step_fates(drafted: Sequence[int], n_accepted: int) -> list[str]:
     """The fate of each drafted token of one step: accepted, then one rejected, then discarded."""
     return ["accepted" if i < n_accepted else "rejected" if i == n_accepted else "discarded"
@@ -96,7 +103,7 @@ def spec_trace(runs: Mapping[str, Sequence] | Sequence, decode: Callable[[int], 
         return text_of[t]
 
     def render(run: str, step: int) -> str:
-        return _draw(runs[run], min(step, len(runs[run])), prompt, tok)
+        return _draw(runs[run], min(step, len(runs[run])), prompt, tok, ended=step > len(runs[run]))
 
     controls = {"run": names, "step": positions} if len(names) > 1 else {"step": positions}
     if len(names) == 1:
@@ -114,15 +121,18 @@ def _chip(text: str, fate: str, title: str) -> str:
              "rejected": f"background: {COLORS['rejected']}33; text-decoration: line-through; color: {COLORS['rejected']};",
              "discarded": f"color: {COLORS['discarded']}; text-decoration: line-through;",
              "bonus": f"background: {COLORS['bonus']}; color: #fff;",
-             "correction": f"background: {COLORS['correction']}; color: #000;"}[fate]
+             "correction": f"background: {COLORS['correction']}; color: #000;",
+             "plain step": f"background: {COLORS['plain step']}; color: #000;"}[fate]
     return f'<span title="{escape(title)}" style="{style} white-space: pre; padding: 0 1px;">{text}</span>'
 
 
-def _draw(steps, shown: int, prompt: str, tok) -> str:
+def _draw(steps, shown: int, prompt: str, tok, ended: bool = False) -> str:
     st = trace_stats(steps, shown)
+    # `ended`: the slider is past this run's last pass (it goes as far as the longest run)
+    note = f' <span style="color: #666;">(this run was done after {len(steps)} pass{"es" * (len(steps) != 1)})</span>' if ended else ""
     head = (f'<div style="{FONT} margin: 4px 0;"><b>after {st.steps} of {len(steps)} target passes</b>: '
             f"{st.tokens} tokens, {st.tokens_per_pass:.2f} tokens per pass, {st.accepted} of {st.drafted} drafts "
-            f"accepted, acceptance rate {_pct(st.acceptance_rate)}</div>")
+            f"accepted, acceptance rate {_pct(st.acceptance_rate)}{note}</div>")
     text = [f'<span style="color: #888; white-space: pre-wrap;">{escape(prompt)}</span>'] if prompt else []
     for i, (drafted, n, t) in enumerate(steps[:shown]):
         last = i == shown - 1
@@ -132,14 +142,14 @@ def _draw(steps, shown: int, prompt: str, tok) -> str:
             for j, (d, fate) in enumerate(zip(drafted, step_fates(drafted, n))):
                 if fate != "accepted":
                     text.append(_chip(tok(d), fate, f"pass {i + 1}: draft {j + 1} {fate}"))
-        kind = "bonus" if n == len(drafted) else "correction"
+        kind = target_kind(drafted, n)
         text.append(_chip(tok(t), kind, f"pass {i + 1}: the target's token ({kind})"))
     body = f'<div style="{MONO} font-size: 13px; line-height: 1.9; max-width: 860px;">{"".join(text)}</div>'
     rows = []
     for i in range(max(0, shown - RECENT), shown):
         drafted, n, t = steps[i]
         chips = " ".join(_chip(tok(d), f, f) for d, f in zip(drafted, step_fates(drafted, n))) or "<i>no draft</i>"
-        kind = "bonus" if n == len(drafted) else "correction"
+        kind = target_kind(drafted, n)
         rows.append(f'<tr><td style="padding-right: 10px; color: #666;">pass {i + 1}</td><td>{chips}</td>'
                     f'<td style="padding: 0 8px;">{n}/{len(drafted)} accepted &rarr; '
                     f'{_chip(tok(t), kind, kind)} <span style="color:#666">{kind}</span></td></tr>')
