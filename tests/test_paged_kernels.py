@@ -28,10 +28,15 @@ SMOLLM2 = dict(H=9, H_KV=3, GROUP=3, GROUP_PAD=4, BLOCK_SIZE=16, D=64)
 MHA = dict(H=4, H_KV=4, GROUP=1, GROUP_PAD=1, BLOCK_SIZE=8, D=32)
 
 
+def lab_cells() -> dict[str, str]:
+    """The lab's cells by nbgrader grade_id, as the instructor wrote them."""
+    nb = nbformat.read(lab_notebook(LAB), as_version=4)
+    return {c.metadata.get("nbgrader", {}).get("grade_id"): c.source for c in nb.cells}
+
+
 def solution_source() -> str:
     """The lab's kernel cells as the instructor wrote them (markers removed), as one module."""
-    nb = nbformat.read(lab_notebook(LAB), as_version=4)
-    cells = {c.metadata.get("nbgrader", {}).get("grade_id"): c.source for c in nb.cells}
+    cells = lab_cells()
     body = []
     for gid in KERNEL_CELLS:
         lines = [line for line in cells[gid].splitlines() if not any(m in line for m in SOLUTION_MARKERS)]
@@ -91,16 +96,7 @@ def kernels(tmp_path_factory):
     import importlib.util
 
     path = tmp_path_factory.mktemp("lab05_kernels") / "lab05_kernels.py"
-    path.write_text(solution_source() + textwrap.dedent("""
-        def launch_paged(kernel, q, k_cache, v_cache, block_tables, context_lens, scale, **extra):
-            B, H, D = q.shape
-            _, block_size, Hkv, _ = k_cache.shape
-            out = torch.empty_like(q)
-            kernel[(B, Hkv)](out, q, k_cache, v_cache, block_tables, context_lens, scale, block_tables.shape[1],
-                             H=H, H_KV=Hkv, GROUP=H // Hkv, GROUP_PAD=triton.next_power_of_2(H // Hkv),
-                             BLOCK_SIZE=block_size, D=D, **extra)
-            return out
-    """))
+    path.write_text(solution_source() + "\n\n" + lab_cells()["kernel_launch"])   # the lab's own launch_paged
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"       # read at @triton.jit, and again by the first launch: keep it on
     try:
