@@ -577,6 +577,7 @@ out = sample(z, [SamplingParams(temperature=0.0), SamplingParams(top_k=1), Sampl
 assert out.shape == (3,) and out.dtype == torch.long, f"expected a (3,) torch.long tensor, got {tuple(out.shape)} {out.dtype}"
 assert out[0] == 1, "temperature 0 is greedy: the argmax of the raw logits"
 assert out[1] == 1, "top_k=1 leaves only the top token"
+assert out[2] == 1, "top_p=0.5 keeps only the top token here (p = 0.76 at temperature 0.7)"
 assert torch.equal(z[0], torch.tensor([0.0, 3.0, 1.0, 2.0])), "do not modify the logits"
 flat = torch.zeros(1, 50)
 runs = [[sample(flat, [SamplingParams(seed=7)], [g]).item() for _ in range(30)] for g in
@@ -1019,8 +1020,8 @@ no free setting, only a choice of where to sit on this curve.
 - The **order** matters: temperature first, then truncation (vLLM: min-p, top-k, top-p; HF: top-k, top-p, min-p).
 - A batch holds **per-request settings** and **one generator per seeded request**, so a seed gives
   the same text in any batch.
-- **Beam search** keeps `K` beams, ranks finished sequences by `sum log p / L^alpha`, and finds more
-  likely text than greedy; likely text is not the same as good, varied text.
+- **Beam search** keeps `K` beams, ranks finished sequences by `sum log p / L^alpha`, and usually finds
+  likelier text than greedy (not always); likely text is not the same as good, varied text.
 
 **Questions** (from the workshop's decoding strategies, and a few more)
 1. Why does greedy decoding start repeating itself? Use your repetition numbers for its two halves.
