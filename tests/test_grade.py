@@ -439,15 +439,35 @@ def test_cli_zip_class_list_and_loud_sandbox_off(tmp_path):
         zf.writestr("ben/00_tiny.ipynb", nbformat.writes(release))
     (tmp_path / "dl.zip").write_bytes(buf.getvalue())
     (tmp_path / "class.csv").write_text("id,name,email\nann,Ann,a@x\ncid,Cid,c@x\n")
-    done = subprocess.run([sys.executable, "-m", "autograder.grade", "--zip", str(tmp_path / "dl.zip"), "--students",
-                           str(tmp_path / "class.csv"), "--sandbox", "off", "--labs-dir", str(labs),
-                           "--submitted", str(tmp_path / "sub"), "--autograded", str(tmp_path / "ag"),
-                           "--feedback", str(tmp_path / "fb"), "--out", str(tmp_path / "out"),
-                           "--gradebook", str(tmp_path / "gb.db"), "--timeout", "120"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    folders = ["--sandbox", "off", "--labs-dir", str(labs), "--submitted", str(tmp_path / "sub"),
+               "--autograded", str(tmp_path / "ag"), "--feedback", str(tmp_path / "fb"), "--out", str(tmp_path / "out"),
+               "--gradebook", str(tmp_path / "gb.db"), "--timeout", "120"]
+
+    def grade(*args):
+        return subprocess.run([sys.executable, "-m", "autograder.grade", *args, *folders],
+                              cwd=REPO, capture_output=True, text=True, timeout=600)
+
+    done = grade("--zip", str(tmp_path / "dl.zip"), "--students", str(tmp_path / "class.csv"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SANDBOX=off" in done.stdout and "!!!" in done.stdout
     rows = {r["student"]: r for r in csv.DictReader(open(tmp_path / "out" / "grades.csv"))}
     assert rows["ann"]["score"] == "1" and "sandbox-off" in rows["ann"]["flags"]
     assert rows["ben"]["score"] == "0" and "unlisted" in rows["ben"]["flags"]
     assert rows["cid"]["score"] == "0" and rows["cid"]["flags"] == "missing"
+
+    # re-grading one student replaces that student's row and keeps the others
+    again = grade("--student", "ben")
+    assert again.returncode == 0, again.stdout + again.stderr
+    rows = {r["student"]: r for r in csv.DictReader(open(tmp_path / "out" / "grades.csv"))}
+    assert set(rows) == {"ann", "ben", "cid"} and rows["ann"]["score"] == "1", "a re-grade must keep the other rows"
+    # a misspelled student, and limits that would kill every kernel, stop before grading
+    for args, word in ((("--student", "bne"), "bne"), (("--memory", "0"), "--memory"), (("--budget", "0"), "--budget")):
+        bad = grade(*args)
+        assert bad.returncode == 2 and word in bad.stderr, (args, bad.stdout[-500:], bad.stderr[-500:])
+
+
+def test_nbgrader_timestamps_are_read():
+    from autograder.grade.gradebook import _parse_time
+    assert _parse_time("2026-03-09 09:36:17.123456 UTC\n").isoformat() == "2026-03-09T09:36:17.123456", \
+        "nbgrader collect writes timestamp.txt in this format"
+    assert _parse_time("2026-03-09T09:36:17").day == 9 and _parse_time("not a time") is None

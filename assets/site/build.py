@@ -88,6 +88,9 @@ def build(out_dir: Path = OUT, labs_dir: Path = REPO / "labs", executed_dir: Pat
     sources = site.find_labs(labs_dir)
     if not sources:
         raise FileNotFoundError(f"no labs found in {labs_dir} (expected NN_name/NN_name.ipynb)")
+    unknown = sorted(set(only or ()) - {s.stem for s in sources})
+    if unknown:
+        raise ValueError(f"only: no lab named {', '.join(unknown)}; labs are: {', '.join(s.stem for s in sources)}")
     chosen = [s for s in sources if only is None or s.stem in only]
     executed = ensure_executed(chosen, executed_dir, quick=quick, rerun=rerun, log=log)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("labs", nargs="*", help="only these labs (default: all)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    pages = build(args.out, quick=not args.full, rerun=args.rerun, only=args.labs or None)
+    try:
+        pages = build(args.out, quick=not args.full, rerun=args.rerun, only=args.labs or None)
+    except ValueError as e:
+        print(f"make html: {e}", file=sys.stderr)
+        return 2
     index = (args.out / "index.html").resolve()
     print(f"site: {len(pages)} pages in {args.out} in {time.perf_counter() - start:.0f} s; open {index.as_uri()}")
     return 0

@@ -43,6 +43,12 @@ def parse(argv: list[str] | None = None) -> Config:
         p.error(f"--zip must be an existing zip file, got {a.zip}")
     if a.students is not None and not a.students.is_file():
         p.error(f"--students must be an existing CSV file, got {a.students}")
+    if a.timeout < 0:
+        p.error(f"--timeout must be seconds per cell >= 1 (0: nbgrader_config.py's), got {a.timeout}")
+    if a.budget < 1:
+        p.error(f"--budget must be seconds per notebook >= 1, got {a.budget}")
+    if a.memory <= 0:
+        p.error(f"--memory must be GiB per kernel > 0 (e.g. 8), got {a.memory}")
     return Config(submitted=a.submitted, autograded=a.autograded, feedback=a.feedback, gradebook=a.gradebook,
                   out=a.out, labs_dir=a.labs_dir, labs=a.labs, only=a.student, students=a.students, zip=a.zip, jobs=a.jobs,
                   sandbox=a.sandbox == "on", gpu=a.gpu, cell_timeout=a.timeout, budget=a.budget,

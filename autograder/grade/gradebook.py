@@ -11,10 +11,10 @@ formgrader and the exchange's feedback release see what `make grade` graded:
 from __future__ import annotations
 
 import warnings
-from datetime import datetime
 from pathlib import Path
 
 from nbgrader.api import Gradebook, MissingEntry
+from nbgrader.utils import parse_utc
 
 from autograder.grade.collect import Student
 from autograder.grade.outcome import Outcome
@@ -51,8 +51,9 @@ def _record(gradebook: Path, outcome: Outcome, student: Student | None, timestam
         gb.db.commit()
 
 
-def _parse_time(text: str) -> datetime | None:
+def _parse_time(text: str):
+    """nbgrader's own timestamp.txt format ('2026-03-09 09:36:17.123456 UTC') or ISO; None when unreadable."""
     try:
-        return datetime.fromisoformat(text.strip())
-    except ValueError:
+        return parse_utc(text.strip())
+    except (ValueError, OverflowError):
         return None

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-SEVERITIES = ("zero", "review", "info")
-
 # code -> (severity, what it means), for the report and GUIDE.md
 FLAGS: dict[str, tuple[str, str]] = {
     "missing": ("zero", "on the student list, but no submission was found"),

@@ -38,7 +38,7 @@ class Config:
     autograded: Path = ROOT / "autograded"
     feedback: Path = ROOT / "feedback"
     gradebook: Path | None = GRADEBOOK
-    out: Path = ROOT / "autograded"            # grades.csv and report.html
+    out: Path = ROOT / "autograded"            # grades.csv, report.html and outcomes/<student>/<lab>.json
     labs_dir: Path = LABS
     labs: list[str] = field(default_factory=list)   # empty: every lab that has a submission
     only: list[str] = field(default_factory=list)   # grade only these students (re-grading one)
@@ -88,6 +88,10 @@ def grade_all(cfg: Config, log=print) -> list[Outcome]:
     students = collect.read_students(cfg.students) if cfg.students else []
     found = collect.find_submissions(cfg.submitted, cfg.labs or known)
     if cfg.only:
+        unknown = sorted(set(cfg.only) - {student for student, _ in found} - {s.id for s in students})
+        if unknown:
+            raise ValueError(f"--student: no submission and no class-list entry for {', '.join(unknown)} in "
+                             f"{cfg.submitted}; students there: {', '.join(sorted({s for s, _ in found})[:20]) or 'none'}")
         found = {k: v for k, v in found.items() if k[0] in cfg.only}
         students = [s for s in students if s.id in cfg.only]
     labs = cfg.labs or sorted({lab for _, lab in found})
@@ -151,6 +155,7 @@ def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
             if roster and job.student not in roster:
                 outcome.flag("unlisted", "not on the student list")
             _record(cfg, outcome, job, roster.get(job.student))
+            _keep(cfg, outcome)
             outcomes.append(outcome)
             log(f"[{n}/{len(jobs)}] {job.student} {job.lab}: {outcome.score:g}/{outcome.max_score:g}"
                 f"{'  ' + outcome.flag_summary() if outcome.flags else ''} ({outcome.seconds:.0f} s)")
@@ -160,14 +165,28 @@ def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
                 out = _not_graded(s.id, lab, sources[lab], "missing", "no submission")
                 if cfg.gradebook is not None:
                     gradebook.record(cfg.gradebook, out, s)
+                _keep(cfg, out)
                 outcomes.append(out)
-    csv_path = report.write_csv(outcomes, cfg.out / "grades.csv")
-    html_path = report.write_report(outcomes, cfg.out / "report.html")
+    every = _kept(cfg)   # this run's outcomes and the earlier ones it did not redo (re-grading one student)
+    csv_path = report.write_csv(every, cfg.out / "grades.csv")
+    html_path = report.write_report(every, cfg.out / "report.html")
     graded = sum(o.status == "graded" for o in outcomes)
     flagged = sum(any(f.severity != "info" for f in o.flags) for o in outcomes)
     log(f"done in {time.monotonic() - start:.0f} s: {graded} graded, {len(outcomes) - graded} without a score, "
-        f"{flagged} flagged\n  grades:   {csv_path}\n  report:   {html_path}\n  feedback: {cfg.feedback}/<student>/<lab>/")
+        f"{flagged} flagged (grades.csv and the report cover {len(every)}, earlier runs included)\n  grades:   {csv_path}\n  report:   {html_path}\n  feedback: {cfg.feedback}/<student>/<lab>/")
     return outcomes
+
+
+def _keep(cfg: Config, outcome: Outcome) -> None:
+    """Store an outcome under cfg.out/outcomes/, replacing the one of an earlier run for the same student and lab."""
+    path = cfg.out / "outcomes" / outcome.student / f"{outcome.lab}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(outcome.to_json())
+
+
+def _kept(cfg: Config) -> list[Outcome]:
+    """Every stored outcome: what grades.csv and report.html are made from."""
+    return [Outcome.from_json(p.read_text()) for p in sorted((cfg.out / "outcomes").glob("*/*.json"))]
 
 
 def _run_worker(job: Job, timeout: int) -> Outcome:

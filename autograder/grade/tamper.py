@@ -1,5 +1,5 @@
-"""Tamper defenses, grader side: what the tests rely on, a static scan of student code, and turning
-the in-kernel guard's reports (guard.py) into flags and zeroes.
+"""Tamper defenses, grader side: what the tests rely on, and a static scan of student code. The
+in-kernel guard is guard.py; worker.py (`_guard_flags`) turns its reports into flags and zeroes.
 
 The threat: student code runs in the same kernel as the hidden tests, before them, and can replace
 what they call (`builtins.abs = ...`, `torch.allclose = lambda *a, **k: True`, a test helper,
