@@ -83,4 +83,5 @@ html: setup vendor
 	  echo "make html: done in $$(( $$(date +%s) - start )) s"
 
 clean:
-	rm -rf $(VENV) autograder/release autograder/submitted autograder/autograded autograder/feedback build
+	# never autograder/submitted/ (the students' work, maybe its only copy) or the gradebook
+	rm -rf $(VENV) autograder/release autograder/autograded autograder/feedback build
