@@ -24,6 +24,7 @@ class Environment:
     quick: bool          # set by tests and grading through COURSE_QUICK=1
     triton_interpreted: bool
     seed: int
+    dtype: "torch.dtype | None" = None  # the model's dtype here: bf16 on a GPU (fp16 without bf16), fp32 on a CPU
 
     def pick(self, full, quick, cpu=None):
         """A demo size (prompt length, repeats, ...) for this run: `quick` in quick mode (tests and
@@ -86,8 +87,23 @@ def choose_device(device: str | None = None) -> str:
     return device
 
 
-def setup(seed: int = 0, device: str | None = None, quiet: bool = True, verbose: bool = True) -> Environment:
-    """Prepare a lab: seeds, silence, device, Triton mode. Returns an `Environment`.
+def choose_dtype(device: str, dtype=None):
+    """The dtype labs run the model in: fp32 on a CPU (bf16 matmuls are slow there and fp16 ones
+    are not supported everywhere); on a GPU bf16, or fp16 where it has no bf16 (a T4, sm_75)."""
+    import torch
+
+    if dtype is not None:
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
+        return dtype
+    if not device.startswith("cuda"):
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+
+
+def setup(seed: int = 0, device: str | None = None, quiet: bool = True, verbose: bool = True,
+          dtype=None) -> Environment:
+    """Prepare a lab: seeds, silence, device, model dtype, Triton mode. Returns an `Environment`.
 
     Call it before anything imports Triton kernels: without a GPU it sets TRITON_INTERPRET=1,
     which Triton reads when `@triton.jit` runs, so kernels run (slowly) in the interpreter.
@@ -101,7 +117,8 @@ def setup(seed: int = 0, device: str | None = None, quiet: bool = True, verbose:
     if interpreted:
         os.environ["TRITON_INTERPRET"] = "1"
     seed_everything(seed)
-    env = Environment(device=dev, quick=quick_mode(), triton_interpreted=interpreted, seed=seed)
+    env = Environment(device=dev, quick=quick_mode(), triton_interpreted=interpreted, seed=seed,
+                      dtype=choose_dtype(dev, dtype))
     if verbose:
         print(summary(env))
     return env
@@ -117,4 +134,5 @@ def summary(env: Environment) -> str:
         hw = f"CPU {platform.machine()} ({torch.get_num_threads()} threads), no GPU"
     triton = "Triton interpreter" if env.triton_interpreted else "Triton compiled"
     mode = " | quick mode" if env.quick else ""
-    return f"torch {torch.__version__} | {hw} | {triton} | seed {env.seed}{mode}"
+    dtype = f" | {str(env.dtype).removeprefix('torch.')}" if env.dtype is not None else ""
+    return f"torch {torch.__version__} | {hw}{dtype} | {triton} | seed {env.seed}{mode}"

@@ -1,4 +1,4 @@
-"""Lab 05's Triton kernels and the paged engine parts, without a GPU.
+"""Lab 06's Triton kernels and the paged engine parts, without a GPU.
 
 1. The solution kernels, taken from the lab's source notebook, compile for GPU targets (sm_75 in
    fp16, as on a T4 without bf16; sm_80 in fp32 and fp16): GPU-only errors that the interpreter
@@ -22,7 +22,7 @@ from course.engine import PagedKVCache, SlotKVCache, block_table_tensor, forward
 from course.kernels import compile_for_gpu, compile_many
 from course.kernels.compile_check import HEADER
 
-LAB = "05_paged_attention"
+LAB = "06_triton_kernels"
 KERNEL_CELLS = ("store_kv_kernel", "paged_attention_v1", "paged_attention_v2")
 SMOLLM2 = dict(H=9, H_KV=3, GROUP=3, GROUP_PAD=4, BLOCK_SIZE=16, D=64)
 MHA = dict(H=4, H_KV=4, GROUP=1, GROUP_PAD=1, BLOCK_SIZE=8, D=32)
@@ -95,18 +95,18 @@ def kernels(tmp_path_factory):
     """The solution module, imported with the interpreter on (TRITON_INTERPRET is read at @triton.jit)."""
     import importlib.util
 
-    path = tmp_path_factory.mktemp("lab05_kernels") / "lab05_kernels.py"
+    path = tmp_path_factory.mktemp("lab06_kernels") / "lab06_kernels.py"
     path.write_text(solution_source() + "\n\n" + lab_cells()["kernel_launch"])   # the lab's own launch_paged
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"       # read at @triton.jit, and again by the first launch: keep it on
     try:
-        spec = importlib.util.spec_from_file_location("lab05_kernels", path)
+        spec = importlib.util.spec_from_file_location("lab06_kernels", path)
         mod = importlib.util.module_from_spec(spec)
-        sys.modules["lab05_kernels"] = mod
+        sys.modules["lab06_kernels"] = mod
         spec.loader.exec_module(mod)
         yield mod
     finally:
-        sys.modules.pop("lab05_kernels", None)
+        sys.modules.pop("lab06_kernels", None)
         if old is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:

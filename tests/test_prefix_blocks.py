@@ -1,4 +1,4 @@
-"""The prefix-blocks widget (lab 08) without a browser: reuse counts, drawing per step, bad input."""
+"""The prefix-blocks widget (lab 09) without a browser: reuse counts, drawing per step, bad input."""
 import ipywidgets as widgets
 import pytest
 

@@ -1,4 +1,4 @@
-"""The distribution explorer (lab 06) without a browser: survivors, renormalized numbers, states, bad input."""
+"""The distribution explorer (lab 07) without a browser: survivors, renormalized numbers, states, bad input."""
 import math
 
 import ipywidgets as widgets

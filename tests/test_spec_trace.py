@@ -1,4 +1,4 @@
-"""The speculative decoding trace widget (lab 07) without a browser: statistics, fates, drawing, bad traces."""
+"""The speculative decoding trace widget (lab 08) without a browser: statistics, fates, drawing, bad traces."""
 import math
 
 import ipywidgets as widgets

@@ -1,4 +1,4 @@
-"""Train the small draft model of lab 07 (speculative decoding), offline, on a CPU.
+"""Train the small draft model of lab 08 (speculative decoding), offline, on a CPU.
 
 The target is SmolLM2-135M-Instruct. No smaller model with its tokenizer can be had offline, so the
 draft is cut out of the target itself: its embeddings and its first LAYERS blocks (shared, frozen),

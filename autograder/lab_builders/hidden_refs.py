@@ -6,7 +6,7 @@ never call `course.engine` or the student's code: that is what makes them indepe
 - `_ref_greedy(m, prompt, n, eos=None)`: greedy tokens with no cache at all, the whole sequence
   through `m.forward` at every step (labs 04, 05, 08).
 - `_tiny(family, seed, n_kv_head=None)`: a 2-layer random decoder with large weights, so its top
-  tokens are decisive (no near-ties for float sums to flip).
+  tokens are decisive (no near-ties for float sums to flip), on the lab's device (`env.device`).
 """
 
 
@@ -29,7 +29,7 @@ def _tiny(family, seed, n_kv_head=None):
         n_kv_head = 2 if family == "llama" else 4
     cfg = course.ModelConfig(family=family, vocab_size=64, n_layer=2, n_head=4, n_kv_head=n_kv_head,
                              d_model=32, d_ff=64, max_seq_len=MAX_SEQ_LEN)
-    m = course.Decoder(cfg).eval()
+    m = course.Decoder(cfg).eval().to(env.device)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn_like(p) * 0.5)

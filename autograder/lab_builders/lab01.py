@@ -141,7 +141,7 @@ md(r"""
 ## Problem 2: The next-token table (3 points)
 
 Now the view from the seeds: the few most likely next words and their probabilities. This table is
-what sampling strategies (lab 06) choose from.
+what sampling strategies (lab 07) choose from.
 
 **Deliverable:** `top_k_table(logits, tokenizer, k, temperature)` takes one row of logits `(V,)` and
 returns the `k` most likely tokens as `(text, probability)` pairs, most likely first, where the
@@ -408,7 +408,7 @@ token. Lab 02 measures the two phases this creates (prefill and decode); lab 03 
 
 - The seeds' reference: *A Survey on Inference Engines for Large Language Models* (2025) maps which engine implements which optimization.
 - nanoGPT's `model.py` and `generate` (Karpathy) is a short, readable GPT-2 with the same loop.
-- Hugging Face `generate` adds logits processors (temperature, top-k, top-p, repetition penalty) between the forward pass and the argmax: lab 06 builds them.
+- Hugging Face `generate` adds logits processors (temperature, top-k, top-p, repetition penalty) between the forward pass and the argmax: lab 07 builds them.
 - vLLM, SGLang and TGI run this loop for hundreds of requests at once: batching (lab 04), paged KV memory (lab 05) and a scheduler decide which requests advance each step.
 """),
 ]

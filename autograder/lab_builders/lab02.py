@@ -929,7 +929,7 @@ The cache is tiny for one short request and dominant for many long ones. Read th
 you printed: at batch 32 an 80 GB GPU has room for just over 4,096 tokens per sequence, the model's
 full context, and by then the cache is about five times the size of the weights. The batch size a
 server can run is set by KV memory, and the batch size sets decode throughput. Hence the engine features of later labs: a cache allocated in pages instead of one
-maximum-length slab per request (lab 05), shared prefixes (lab 08), and, outside this course,
+maximum-length slab per request (lab 05), shared prefixes (lab 09), and, outside this course,
 smaller caches (GQA, MQA, 8-bit KV) and prefills split into chunks, which bound the activation peak.
 
 ## Summary

@@ -255,7 +255,7 @@ Three cases follow:
 | $T > 1$ new tokens after $n$ cached (a chunk appended) | $T$ | $n + T$ | bottom-right: build it yourself as a boolean `attn_mask` (True = may attend) |
 
 The third case is not exotic: a chat appends the user's next message to a conversation already in the
-cache, chunked prefill feeds a long prompt in pieces, and speculative decoding (lab 07) checks several
+cache, chunked prefill feeds a long prompt in pieces, and speculative decoding (lab 08) checks several
 drafted tokens in one pass.
 
 ## Problem 1: Attention with a KV cache (3 points)
@@ -952,7 +952,7 @@ cache removes compute that grows with the **square** of the length, and pays wit
 - **Waste less of it.** A contiguous cache reserved for the maximum length wastes most of itself
   (60-80% of KV memory in the systems the vLLM paper measured). vLLM's PagedAttention stores the cache
   in fixed-size blocks, like pages of virtual memory (lab 05). SGLang's RadixAttention and vLLM's
-  prefix caching let requests that share a prefix share its cache (lab 08).
+  prefix caching let requests that share a prefix share its cache (lab 09).
 - **Make it smaller.** Multi-query attention (Shazeer, 2019) and grouped-query attention (Ainslie et
   al., 2023) share KV heads; DeepSeek-V2's multi-head latent attention caches a compressed latent
   instead of K and V; KV quantization (fp8 in vLLM, 2-bit in KIVI) shrinks each value; sliding-window

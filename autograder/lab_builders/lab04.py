@@ -950,7 +950,7 @@ throughput of Hugging Face transformers, much of it from fitting more requests i
   deque, prefill-first steps under a token budget, and preemption when no block is free. Compare it
   with your `Scheduler`.
 - **SGLang** overlaps the CPU work of scheduling the next step with the GPU work of the current one,
-  and orders waiting requests to reuse cached prefixes (lab 08).
+  and orders waiting requests to reuse cached prefixes (lab 09).
 - **TGI**'s router (Rust) batches continuously under `max_batch_total_tokens`, and decides when to
   pause decodes to prefill newcomers with `waiting_served_ratio` and `max_waiting_tokens`.
 - **Sarathi-Serve** (Agrawal et al., OSDI 2024) splits long prompts into chunks that ride along with

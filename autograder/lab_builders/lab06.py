@@ -5,1062 +5,569 @@
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
-# The independent reference of the hidden tests: the kept set and final probabilities of one row,
-# in float64 with plain Python loops, following vLLM's order (temperature, min-p, top-k, top-p).
-HIDDEN_REFERENCE = r'''
-import math as _math
-def _ref_probs(z, t=1.0, k=0, p=1.0, m=0.0):
-    # z: one row of logits (list of floats) -> {token: probability} over the survivors
-    V = len(z)
-    if t == 0:
-        best = max(range(V), key=lambda i: z[i])
-        return {best: 1.0}
-    x = [v / t for v in z]
-    def soft(keep):
-        top = max(x[i] for i in keep)
-        e = {i: _math.exp(x[i] - top) for i in keep}
-        s = sum(e.values())
-        return {i: e[i] / s for i in keep}
-    keep = set(range(V))
-    if m > 0:
-        pr = soft(keep)
-        keep = {i for i in keep if pr[i] >= m * max(pr.values())}
-    if 0 < k < len(keep):
-        kth = sorted((x[i] for i in keep), reverse=True)[k - 1]
-        keep = {i for i in keep if x[i] >= kth}
-    if p < 1:
-        pr = soft(keep)
-        above, kept = 0.0, set()
-        for i in sorted(keep, key=lambda i: -pr[i]):
-            if above < p:
-                kept.add(i)
-            above += pr[i]
-        keep = kept
-    return soft(keep)
-def _kept(row):
-    # the surviving (finite) token ids of one row, (V,) or (1, V)
-    return set(torch.nonzero(torch.isfinite(row.reshape(-1))).flatten().tolist())
-'''.strip("\n")
-
-# Tiny Llama models in transformers, and the same weights in the course's Decoder: HF generate is
-# the reference for beam search, with an EOS token the model really emits.
-HIDDEN_TINY = r'''
-from transformers import LlamaConfig as _LlamaConfig, LlamaForCausalLM as _LlamaForCausalLM
-from course.models import decoder_from_hf_state as _from_hf
-def _tiny_pair(seed, V=48):
-    torch.manual_seed(seed)
-    cfg = _LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    hf = _LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for prm in hf.parameters():
-            prm.copy_(torch.randn_like(prm) * 0.3)
-    return hf, _from_hf(course.ModelConfig.from_hf(hf.config), hf.state_dict())
-'''.strip("\n")
+# Independent references of the hidden tests (they live only here, in the instructor's source):
+# dense attention over per-sequence K/V in float64, and paged inputs built by scattering dense K/V
+# into shuffled blocks whose unused slots hold NaN (stale memory).
+HIDDEN_ATTENTION = r"""
+def _dense(q, ks, vs, scale):
+    # q (B, H, D); ks[b], vs[b]: (L_b, Hkv, D) -> (B, H, D): float64 on the CPU, no paging at all
+    out = []
+    for b, (k, v) in enumerate(zip(ks, vs)):
+        g = q.shape[1] // k.shape[1]
+        kk, vv = k.cpu().double().repeat_interleave(g, 1), v.cpu().double().repeat_interleave(g, 1)
+        s = torch.einsum("hd,lhd->hl", q[b].cpu().double(), kk) * scale
+        out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vv))
+    return torch.stack(out)
+def _paged_case(lens, H, Hkv, D, bs, dtype, seed, pad_width=0):
+    # dense K/V per sequence, scattered into shuffled physical blocks whose other slots hold NaN
+    # (stale memory); built on the CPU from a seeded generator, then moved to the lab's device
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = sum(-(-L // bs) for L in lens) + 2
+    k_cache = torch.full((n_blocks, bs, Hkv, D), float("nan"), dtype=dtype)  # cpu: moved below
+    v_cache = torch.full((n_blocks, bs, Hkv, D), float("nan"), dtype=dtype)  # cpu: moved below
+    free = torch.randperm(n_blocks, generator=g).tolist()
+    tables, ks, vs = [], [], []
+    for L in lens:
+        t = [free.pop() for _ in range(-(-L // bs))]
+        k = torch.randn(L, Hkv, D, generator=g).to(dtype)  # cpu: reference input, moved below
+        v = torch.randn(L, Hkv, D, generator=g).to(dtype)  # cpu: reference input, moved below
+        for p in range(L):
+            k_cache[t[p // bs], p % bs] = k[p]
+            v_cache[t[p // bs], p % bs] = v[p]
+        tables.append(t); ks.append(k); vs.append(v)
+    width = max(len(t) for t in tables) + pad_width
+    bt = torch.zeros(len(lens), width, dtype=torch.int32)  # cpu: moved below
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)  # cpu: written into bt
+    q = torch.randn(len(lens), H, D, generator=g).to(dtype)  # cpu: moved below
+    dev = env.device
+    return (q.to(dev), k_cache.to(dev), v_cache.to(dev), bt.to(dev),
+            torch.tensor(lens, dtype=torch.int32, device=dev), ks, vs)
+""".strip("\n")
 
 cells = [
 md(r"""
-# Lab 06: Sampling, from scores to text
+# Lab 06: Triton kernels for paged attention
 
-The model gives a score to every token of its vocabulary; something else must pick one. That choice
-is the **sampler**, the last step of every decode iteration, and it shapes the text as much as the
-model does. Pick the top token every time (**greedy**) and the text is safe, and often loops.
-Pick at random from the whole distribution and it drifts into nonsense, because thousands of
-unlikely tokens together hold real probability. Between the two sit the knobs every serving API
-exposes: **temperature**, **top-k**, **top-p** and **min-p**. A server applies them per request,
-in one batch, in a fixed order, and must give the same text for the same seed whoever else is in
-the batch. **Beam search** takes another path: it keeps several candidate texts and returns the
-most likely one it finds.
+Lab 05 put the KV cache in blocks and read them back with PyTorch: for every sequence, gather its
+blocks into a new tensor, then attend. That copies the whole context at every layer of every decode
+step, in many small operations. A real engine runs one **kernel** that reads the blocks where they
+are. In this lab you write those kernels in **Triton**, which compiles Python-like code into GPU
+kernels, check each one against a reference, and time them against the hardware's limit.
 
 **You will**
-- see greedy decoding repeat itself, and measure it (repetition and distinct-n);
-- write temperature, top-k, top-p and min-p as logits processors that work on a whole batch, each row with its own settings;
-- combine them into one batched sampler, in the order vLLM applies them, with greedy rows and one random generator per request (like vLLM's `SamplingParams(seed=...)`);
-- write beam search with a length penalty whose output equals Hugging Face `generate(num_beams=...)` on the real model;
-- explore the next-token distribution in a widget, and measure repetition and diversity of greedy, beam and sampled text, and what temperature does.
+- write a first kernel (store new keys and values into their slots) and learn Triton's model: programs, tiles, masks;
+- write paged decode attention with an online softmax, one block per iteration (v1), then several (v2);
+- check every version against a reference, in fp32 and fp16, MHA, GQA and MQA, ragged lengths;
+- compile your kernels for GPUs this machine does not have, and time them where there is one.
 
-**Time:** about 75 minutes. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
-used when there is one.
+**Time:** about 2 hours: 30 minutes of reading, three kernels of 20-40 minutes each, a few minutes
+of running. **Hardware:** on a laptop CPU the kernels run in Triton's *interpreter* (NumPy on the
+CPU): correct, and slow. On a GPU they are compiled, and the timing section compares them with the
+hardware's memory bandwidth.
 """),
 locked("colab_install", COLAB_INSTALL),
 locked("setup", SETUP),
 md(r"""
-## 1. Greedy decoding, and what goes wrong with it
+## 1. What lab 05 left us
 
-The model and tokenizer of the earlier labs, and the engine loop of lab 04 as given code: a static
-batch (left padding, mask-derived positions, one KV-cache slot per row). One thing is new. The loop
-does not choose tokens itself: it calls `pick(logits)` with the last logits of every row, `(B, V)`,
-and appends the `(B,)` token ids it returns. `pick` is the **sampler**, the part you write today.
+Lab 05's answers come given (`course.engine`): the block allocator, `write_kv` (store keys and values
+into their slots) and `paged_attention` (decode attention through block tables, in PyTorch). They
+are the references every kernel below is checked against. The pool of one layer is
+`(n_blocks, block_size, n_kv_head, head_dim)`; a token at position `p` of a sequence lives in slot
+`table[p // block_size] * block_size + p % block_size`.
 """),
-locked("engine", r'''
+locked("given", r'''
+import time
+from collections import deque
+
 import torch
-from course.engine import SlotKVCache, forward_cached
+
+from course.engine import BlockAllocator, block_table_tensor, paged_attention, write_kv
+from course.engine.paged_engine import Request, contiguous_generate, paged_generate
 
 tokenizer = course.load_tokenizer()
-model = course.load_model(device=env.device)
-dev = env.device
-EOS = tokenizer.eos_token_id
+model = course.load_model(device=env.device, dtype=env.dtype)
+dev, cfg = env.device, model.cfg
+print(f"SmolLM2 in {env.dtype} on {dev}: {cfg.n_head} query heads, {cfg.n_kv_head} KV heads, head_dim {cfg.head_dim}")
+'''),
+md(r"""
+## 2. Triton: the programming model
+
+`paged_attention` loops over sequences in Python and gathers each one's keys into a new tensor
+before attending: on a GPU that is many small kernel launches and a copy of the whole context per
+step. A real engine runs one kernel that reads the blocks where they are. You will write it in
+**Triton**, which compiles Python-like code into GPU kernels. Like llm.c's `dev/cuda` files, this
+section has a reference (yours), numbered versions, a check of each version's maximum difference
+from the reference, and then timing.
+
+The Triton model in four lines: you write the work of one **program**; a **grid** of programs runs in
+parallel (`kernel[grid](...)`), each finding its share of the work from `tl.program_id(axis)`; a
+program loads and stores whole tiles with `tl.load(pointers, mask=...)` and `tl.store`; tile sizes
+are `tl.constexpr` powers of two, and **masks** switch off the lanes that fall outside the data.
+
+**On a CPU**, `course.setup()` set `TRITON_INTERPRET=1` before anything imported Triton, so every
+`@triton.jit` below runs in the interpreter: NumPy executes each program one after the other.
+It is how you can write kernels on a laptop, but it has traps:
+
+- it is slow: about a few milliseconds per program per loop iteration, whatever the tile size. Keep
+  grids and loops small, and read its times as interpreter time, not performance;
+- it accepts code that a GPU compiler rejects: `break` or `continue` in a loop, a loop variable whose
+  dtype changes between iterations, `math.sqrt` of a runtime argument. The compile check below catches these;
+- a load without a mask that reads far outside a tensor can crash the whole kernel process (Jupyter
+  then restarts it); near misses silently read garbage. Mask every load whose lanes can fall outside;
+- `tl.device_assert` does nothing, and bf16 arithmetic gives silent garbage (load, then `.to(tl.float32)`);
+  fp16 and fp32 are fine;
+- `tl.dot` works on any tile size here, but GPUs need at least 16 in every dimension; and fp32 `tl.dot`
+  is exact here but TF32 (about 3 decimal digits) on recent GPUs. The kernels below avoid `tl.dot`
+  (their tiles are small) with elementwise products and `tl.sum`.
+- `TRITON_INTERPRET` is read when `@triton.jit` runs: setting it after the kernels are defined does nothing.
+"""),
+code(r"""
+import triton
+import triton.language as tl
+
+print(f"triton {triton.__version__}: {'interpreter (CPU)' if env.triton_interpreted else 'compiled for ' + torch.cuda.get_device_name(0)}")
+"""),
+md(r"""
+## Problem 1: Warm-up: a kernel that writes K/V into slots (2 points)
+
+The first kernel replaces `write_kv`. One program per new token: it reads the token's slot, then
+copies the token's `Hkv * D` key values and value values into that slot's row of the caches. Seen
+flat, token `i`'s keys start at `k_ptr + i * ROW` and slot `s` starts at `k_cache_ptr + s * ROW`, with
+`ROW = Hkv * D`. `tl.arange` needs a power of two, and SmolLM2's row is 192 values, so the tile is
+`ROW_PAD = 256` lanes and a mask switches off the last 64. The same mask switches off a token whose
+slot is negative. Convert the slot to `tl.int64` before multiplying: a big pool overflows 32 bits.
+
+**Deliverable:** the body of `store_kv_kernel`; `store_kv` (given) launches it.
+"""),
+solution("store_kv_kernel", r'''
+@triton.jit
+def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    """Program i: copy row i of k and v (ROW values each) into row slot_mapping[i] of the caches."""
+    ### BEGIN SOLUTION
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    cols = tl.arange(0, ROW_PAD)
+    mask = (cols < ROW) & (slot >= 0)
+    k = tl.load(k_ptr + token * ROW + cols, mask=mask)
+    v = tl.load(v_ptr + token * ROW + cols, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + cols, k, mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + cols, v, mask=mask)
+    ### END SOLUTION
 
 
-@torch.no_grad()
-def generate(model, prompts: list[list[int]], max_new_tokens: int, pick, eos_token_id: int | None = None,
-             pad_id: int = 0) -> list[list[int]]:
-    """Static batch (lab 04): left-pad, prefill once, then decode in lockstep. `pick(logits)` maps the
-    last logits of every row (B, V) to one new token per row (B,). A row stops after its EOS (kept)."""
-    B, T, d = len(prompts), max(len(p) for p in prompts), model.device
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, T - len(p):], mask[b, T - len(p):] = torch.tensor(p), 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)                               # (B, T): positions skip the pads
-    cache = SlotKVCache(model.cfg, n_slots=B, max_len=T + max_new_tokens, device=d)
-    slots = torch.arange(B, device=d)
-    logits = forward_cached(model, ids.to(d), pos.to(d), cache, slots, mask.to(d))[:, -1]   # (B, V)
-    next_pos = pos[:, -1:].to(d) + 1                                       # (B, 1)
-    out, done = [[] for _ in prompts], [False] * B
-    for step in range(max_new_tokens):
-        tokens = pick(logits)                                              # (B,): the sampler's choice
-        for b, t in enumerate(tokens.tolist()):
-            if not done[b]:
-                out[b].append(t)
-                done[b] = t == eos_token_id
-        if all(done) or step + 1 == max_new_tokens:
-            return out
-        logits = forward_cached(model, tokens.view(B, 1).to(d), next_pos, cache, slots)[:, -1]
-        next_pos = next_pos + 1
+def store_kv(k_cache, v_cache, k, v, slot_mapping):
+    """Triton version of write_kv: same arguments, same result."""
+    N, Hkv, D = k.shape
+    if not (k.is_contiguous() and v.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kv needs contiguous k, v and caches")
+    if k_cache.shape[2:] != (Hkv, D) or k.dtype != k_cache.dtype:
+        raise ValueError(f"k {tuple(k.shape)} {k.dtype} does not match the cache {tuple(k_cache.shape)} {k_cache.dtype}")
+    store_kv_kernel[(N,)](k, v, k_cache, v_cache, slot_mapping, ROW=Hkv * D, ROW_PAD=triton.next_power_of_2(Hkv * D))
+'''),
+tests("store_kv_tests", 2, r"""
+kc, vc = torch.zeros(4, 4, 3, 8, device=dev), torch.zeros(4, 4, 3, 8, device=dev)   # 4 blocks of 4 slots, Hkv=3, D=8: ROW=24
+k, v = torch.randn(5, 3, 8, device=dev), torch.randn(5, 3, 8, device=dev)
+slots = torch.tensor([3, 4, 15, -1, 0], device=dev)                                 # 3 | 4: a block boundary; -1: skip
+store_kv(kc, vc, k, v, slots)
+ref_k, ref_v = torch.zeros_like(kc), torch.zeros_like(vc)
+write_kv(ref_k, ref_v, k, v, slots)
+assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v), \
+    "store_kv must write exactly what write_kv writes (the row of each token, its slot, the -1 skip)"
+### BEGIN HIDDEN TESTS
+for Hkv, D, dtype in ((1, 16, torch.float16), (2, 4, torch.float32), (4, 8, torch.float32)):
+    kc = torch.full((3, 2, Hkv, D), -9.0, dtype=dtype, device=dev); vc = kc.clone()
+    k = torch.randn(6, Hkv, D, device=dev).to(dtype); v = torch.randn(6, Hkv, D, device=dev).to(dtype)
+    slots = torch.tensor([1, 2, -1, 5, 0, 4], device=dev)
+    store_kv(kc, vc, k, v, slots)
+    fk, fv = kc.view(6, Hkv, D), vc.view(6, Hkv, D)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(fk[s], k[i]) and torch.equal(fv[s], v[i]), f"Hkv={Hkv}, D={D}: token {i} belongs in slot {s}"
+    assert (fk[3] == -9).all() and (fv[3] == -9).all(), "slot 3 was given to no token: it must not change (mask the padded lanes)"
+### END HIDDEN TESTS
+"""),
+md(r"""
+## Problem 2: Paged decode attention, v1: one block per iteration (4 points)
+
+One program per **(sequence, KV head)**: grid `(B, Hkv)`. The program handles all `GROUP = H // Hkv`
+query heads that share its KV head (GQA), so it reads each key once for all of them: query heads
+`kv_head * GROUP .. kv_head * GROUP + GROUP - 1`. Its query tile is `(GROUP_PAD, D)`, padded to a
+power of two and masked (SmolLM2's group of 3 becomes 4 rows). The layout, all contiguous:
+`q` and `out` are `(B, H, D)`, the caches `(n_blocks, BLOCK_SIZE, H_KV, D)`, `block_tables`
+`(B, max_blocks)` int32, `context_lens` `(B,)` int32.
+
+The program walks the sequence's blocks, `i = 0 .. cdiv(context_len, BLOCK_SIZE) - 1`, and keeps an
+**online softmax** (as in FlashAttention) instead of storing all the scores: a running maximum `m`
+per head, a running sum `l` of `exp(score - m)`, and a running weighted sum `acc` of values. For each block:
+
+1. read its physical block id from the table; load its keys and values `(BLOCK_SIZE, D)` for this
+   KV head, with a mask for the positions `>= context_len` (the last block may be partly full, and its
+   other slots hold stale data from earlier owners: never read them);
+2. scores `s = (q . k) * scale`, `(GROUP_PAD, BLOCK_SIZE)`; masked positions get `-inf`;
+3. `m_new = max(m, rowmax(s))`; rescale the old sums by `alpha = exp(m - m_new)`:
+   `l = l * alpha + rowsum(exp(s - m_new))`, `acc = acc * alpha + exp(s - m_new) @ v`; `m = m_new`.
+
+At the end `out = acc / l`, stored for the real heads only. Compute in float32 whatever the input
+dtype, and store in the output's dtype (`out_ptr.dtype.element_ty`). Without `tl.dot`, `q . k` for
+all heads and positions is `tl.sum(q[:, None, :] * k[None, :, :], axis=2)`.
+
+**Deliverable:** the body of `paged_attention_v1_kernel`; `paged_attention_v1` (given) launches it.
+"""),
+locked("kernel_launch", r'''
+def check_paged_args(q, k_cache, v_cache, block_tables, context_lens):
+    """Fail with a clear message before a kernel reads memory it should not."""
+    B, H, D = q.shape
+    n_blocks, block_size, Hkv, Dk = k_cache.shape
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("context_lens", context_lens)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if Dk != D or v_cache.shape != k_cache.shape or H % Hkv or q.dtype != k_cache.dtype:
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit the caches {tuple(k_cache.shape)} {k_cache.dtype}")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.shape[0] != B or context_lens.shape != (B,):
+        raise ValueError("block_tables must be (B, max_blocks) int32 and context_lens (B,) int32")
+    for name, n in (("head_dim", D), ("block_size", block_size)):
+        if n & (n - 1):
+            raise ValueError(f"{name} must be a power of two for tl.arange, got {n}")
+    if int(context_lens.min()) < 1 or int(context_lens.max()) > block_tables.shape[1] * block_size:
+        raise ValueError("every context_len must be >= 1 and fit in its block table")
+
+
+def launch_paged(kernel, q, k_cache, v_cache, block_tables, context_lens, scale, **extra):
+    """Grid (B, Hkv): one program per sequence and KV head."""
+    check_paged_args(q, k_cache, v_cache, block_tables, context_lens)
+    B, H, D = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    out = torch.empty_like(q)
+    kernel[(B, Hkv)](out, q, k_cache, v_cache, block_tables, context_lens, scale, block_tables.shape[1],
+                     H=H, H_KV=Hkv, GROUP=H // Hkv, GROUP_PAD=triton.next_power_of_2(H // Hkv),
+                     BLOCK_SIZE=block_size, D=D, **extra)
     return out
-
-
-def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)                                           # (B, V) -> (B,)
 '''),
-md(r"""
-Greedy decoding of a short text about food. Read it to the end.
-"""),
-code(r"""
-story = tokenizer("I like to eat").input_ids
-greedy_story = generate(model, [story], 64, greedy_pick)[0]
-print(tokenizer.decode(story + greedy_story))
-"""),
-md(r"""
-Greedy text tends to fall into a loop: once a phrase has been written, writing it again becomes the
-most likely continuation. Two numbers make that measurable, for any list of token ids:
-
-- **repetition**: the share of its 3-grams (runs of 3 tokens) that already appeared earlier in the same text;
-- **distinct-n** (Li et al., 2016): the number of *different* n-grams divided by the number of n-grams.
-  1.0 means no n-gram repeats; a text stuck in a loop scores low. Pooled over several texts written
-  for the same prompt, it also says how different those texts are from each other.
-"""),
-code(r"""
-def ngrams(tokens, n):
-    return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-
-def distinct_n(texts: list[list[int]], n: int) -> float:
-    '''Different n-grams / all n-grams, pooled over the texts.'''
-    grams = [g for t in texts for g in ngrams(t, n)]
-    return len(set(grams)) / max(len(grams), 1)
-
-def repetition(tokens: list[int], n: int = 3) -> float:
-    '''Share of the n-grams of one text that already appeared earlier in it.'''
-    grams = ngrams(tokens, n)
-    return sum(g in set(grams[:i]) for i, g in enumerate(grams)) / max(len(grams), 1)
-
-half = len(greedy_story) // 2
-for name, part in (("first half", greedy_story[:half]), ("second half", greedy_story[half:]), ("whole", greedy_story)):
-    print(f"{name:>11}: repetition {repetition(part):.2f}, distinct-1 {distinct_n([part], 1):.2f}, "
-          f"distinct-2 {distinct_n([part], 2):.2f}")
-"""),
-md(r"""
-Compare the two halves: if the text loops, the second half repeats more than the first. The cure the
-workshop proposes is **randomness**: draw the next token from the model's distribution instead of
-always taking its top. But a raw draw from all 49,152 tokens gives the long tail of unlikely tokens
-a say, and one bad draw derails the text. The next sections build the tools that control the draw.
-
-## 2. Temperature
-
-The model's distribution for the next token is $p_i = \mathrm{softmax}(z)_i$ over its logits $z$.
-Dividing the logits by a **temperature** $\tau$ before the softmax reshapes it (lab 01):
-$\tau < 1$ widens the gaps between scores, so the top tokens gain; $\tau > 1$ narrows them, so
-the tail gains; $\tau \to 0$ puts all the mass on the top token, which is greedy decoding.
-Engines accept $\tau = 0$ and treat it as greedy; dividing by 0 itself would give `inf - inf = nan`.
-
-A server works on a **batch**: one row of logits per request, and each request asks for its own
-temperature. So every function you write in this lab takes `logits` of shape `(B, V)` and one
-setting per row, a `(B,)` tensor. They are **logits processors**: logits in, logits out, like HF's
-`LogitsProcessor` classes and the functions in vLLM's sampler.
-
-## Problem 1: Temperature (2 points)
-
-**Deliverable:** `apply_temperature(logits, temperature)` takes `logits` `(B, V)` and `temperature`
-`(B,)` and returns new logits `(B, V)`: row `b` divided by `temperature[b]`, except rows whose
-temperature is 0, which are returned unchanged (they are greedy: the sampler takes their argmax).
-It raises `ValueError` if a temperature is negative, and never modifies its input.
-"""),
-solution("temperature", r'''
-def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Row b divided by temperature[b]; rows at temperature 0 (greedy) unchanged."""
+solution("paged_attention_v1", r'''
+@triton.jit
+def paged_attention_v1_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                              scale, max_blocks,
+                              H: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                              BLOCK_SIZE: tl.constexpr, D: tl.constexpr):
+    """Program (seq, kv_head): the GROUP query heads of kv_head attend to the sequence, one block at a time."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
     ### BEGIN SOLUTION
-    t = torch.as_tensor(temperature, dtype=logits.dtype, device=logits.device)
-    if (t < 0).any():
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {t.tolist()}")
-    t = torch.where(t == 0, torch.ones_like(t), t)       # greedy rows: divide by 1
-    return logits / t[:, None]                           # (B, V) / (B, 1)
+    ctx = tl.load(context_lens_ptr + seq)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    t = tl.arange(0, BLOCK_SIZE)
+    head = kv_head * GROUP + g                                        # (G,): this KV head's query heads
+    head_ok = g < GROUP
+    q = tl.load(q_ptr + seq * H * D + head[:, None] * D + d[None, :], mask=head_ok[:, None], other=0.0).to(tl.float32)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for i in range(0, tl.cdiv(ctx, BLOCK_SIZE)):
+        block = tl.load(block_tables_ptr + seq * max_blocks + i).to(tl.int64)
+        pos = i * BLOCK_SIZE + t                                      # (BLOCK_SIZE,): token positions
+        valid = pos < ctx
+        offs = (block * BLOCK_SIZE + t[:, None]) * (H_KV * D) + kv_head * D + d[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)   # (BLOCK_SIZE, D)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale    # (G, BLOCK_SIZE)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + seq * H * D + head[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None])
     ### END SOLUTION
+
+
+def paged_attention_v1(q, k_cache, v_cache, block_tables, context_lens, scale):
+    return launch_paged(paged_attention_v1_kernel, q, k_cache, v_cache, block_tables, context_lens, scale)
 '''),
-tests("temperature_tests", 2, r"""
-z = torch.tensor([[1.0, 2.0, 4.0], [1.0, 2.0, 4.0], [0.0, -3.0, 3.0]])
-out = apply_temperature(z, torch.tensor([0.5, 2.0, 0.0]))
-assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
-assert torch.allclose(out[0], torch.tensor([2.0, 4.0, 8.0])), "row 0 at temperature 0.5: every logit doubles"
-assert torch.allclose(out[1], torch.tensor([0.5, 1.0, 2.0])), "row 1 at temperature 2: every logit halves"
-assert torch.equal(out[2], z[2]), "temperature 0 means greedy: the row stays as it is (no division by 0)"
-assert torch.equal(z[0], torch.tensor([1.0, 2.0, 4.0])), "do not modify the input logits"
-### BEGIN HIDDEN TESTS
-g = torch.Generator().manual_seed(1)
-z = torch.randn(6, 50, generator=g) * 4
-t = torch.tensor([0.3, 1.0, 0.0, 1.7, 0.0, 2.5])
-keep = z.clone()
-got = apply_temperature(z, t)
-assert torch.equal(z, keep), "apply_temperature must not modify its input"
-for b in range(6):
-    want = z[b] if t[b] == 0 else z[b] / t[b]
-    assert torch.allclose(got[b], want, atol=1e-6), f"row {b}, temperature {t[b].item()}: wrong logits"
-assert torch.isfinite(got).all(), "no inf or nan: temperature-0 rows must not be divided by 0"
-p_cold, p_hot = torch.softmax(apply_temperature(z[:1], torch.tensor([0.2])), -1), torch.softmax(apply_temperature(z[:1], torch.tensor([5.0])), -1)
-assert p_cold.max() > torch.softmax(z[:1], -1).max() > p_hot.max(), "a low temperature sharpens, a high one flattens"
-try:
-    apply_temperature(z[:2], torch.tensor([1.0, -0.5]))
-except ValueError:
-    pass
-else:
-    raise AssertionError("a negative temperature must raise ValueError")
-### END HIDDEN TESTS
-"""),
-md(r"""
-## 3. Truncation: top-k, top-p, min-p
-
-Temperature alone cannot silence the tail: at $\tau = 1$ the thousands of unlikely tokens of a
-49,152-token vocabulary may together hold a fair share of the probability, so a long text will
-sooner or later draw one of them. **Truncation** removes tokens before the draw: a removed token
-gets the logit $-\infty$, so the softmax gives it probability 0 and the survivors share the rest
-(they are *renormalized*). Three rules decide who survives:
-
-- **top-k** (Fan et al., 2018): the `k` highest-scoring tokens. Simple, but one `k` fits no context:
-  after "The capital of France is" a few tokens deserve nearly all the mass, after "I like to eat"
-  hundreds are reasonable.
-- **top-p**, or nucleus sampling (Holtzman et al., 2020): the smallest set of top tokens whose
-  probabilities add up to at least `p`. It adapts: few survivors when the model is sure, many when
-  it is not.
-- **min-p** (Nguyen et al., 2024): every token at least `min_p` times as likely as the top token.
-
-Three details matter, and the tests check all of them:
-
-1. **Top-k and ties.** Keep every token whose logit is at least the `k`-th largest logit. When
-   several tokens tie with the `k`-th, all of them survive (more than `k` tokens), as in HF's
-   `TopKLogitsWarper` and vLLM. Keeping exactly `k` would make the survivors depend on the order
-   of the vocabulary, an accident of the tokenizer. `top_k = 0` means off, and so does any `k >= V`.
-2. **Top-p keeps the token that crosses `p`.** Sort by probability, largest first. A token
-   survives if the tokens ranked **above** it hold less than `p` in total. With probabilities 0.5,
-   0.3, 0.2 and `p = 0.6`, the first two survive: 0.5 alone is short of 0.6, and the second token is
-   the one that takes the sum past it. (Dropping every token where the running sum including itself
-   exceeds `p` is a common bug: it keeps only 0.5, less mass than asked for.) The top token always
-   survives. `top_p = 1` means off: nothing is removed, even tokens of tiny probability. (Careful:
-   a float32 running sum can reach 1.0 before the last token.)
-3. **Kept logits stay as they are**: a processor only writes $-\infty$ over removed tokens. It never
-   modifies its input.
-
-## Problem 2: Top-k (3 points)
-
-**Deliverable:** `apply_top_k(logits, top_k)` takes `logits` `(B, V)` (some may already be
-$-\infty$) and `top_k` `(B,)` integers, and returns logits where, in each row `b` with
-`0 < top_k[b] < V`, every token whose logit is below the row's `top_k[b]`-th largest logit is set to
-$-\infty$. Other rows are unchanged.
-"""),
-solution("top_k", r'''
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Per row, remove the tokens below the k-th largest logit (ties with it survive); k = 0 or k >= V: off."""
-    ### BEGIN SOLUTION
-    V = logits.shape[-1]
-    k = torch.as_tensor(top_k, dtype=torch.long, device=logits.device)
-    k = torch.where((k <= 0) | (k > V), torch.full_like(k, V), k)          # off: keep all V
-    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])   # (B, 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
-    ### END SOLUTION
-'''),
-tests("top_k_tests", 3, r"""
-z = torch.tensor([[3.0, 1.0, 2.0, 0.5], [3.0, 1.0, 2.0, 0.5]])
-out = apply_top_k(z, torch.tensor([2, 0]))
-assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
-assert torch.isinf(out[0]).tolist() == [False, True, False, True], "top_k=2 keeps the two largest logits (3.0 and 2.0)"
-assert torch.equal(out[0, [0, 2]], z[0, [0, 2]]), "kept logits stay unchanged"
-assert torch.equal(out[1], z[1]), "top_k=0 means off: the row is unchanged"
-tied = apply_top_k(torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0]]), torch.tensor([2]))
-assert torch.isinf(tied[0]).tolist() == [True, False, False, False, True], \
-    "ties: every token equal to the k-th largest logit survives (here three tokens tie at 2.0)"
-### BEGIN HIDDEN TESTS
-""" + HIDDEN_REFERENCE + r"""
-g = torch.Generator().manual_seed(2)
-z = torch.randn(5, 40, generator=g) * 3
-keep = z.clone()
-ks = torch.tensor([1, 7, 0, 40, 55])
-got = apply_top_k(z, ks)
-assert torch.equal(z, keep), "apply_top_k must not modify its input"
-for b, k in enumerate(ks.tolist()):
-    want = set(range(40)) if k <= 0 or k >= 40 else set(torch.argsort(z[b], descending=True)[:k].tolist())
-    assert _kept(got[b]) == want, f"row {b}, top_k={k}: wrong survivors"
-    assert torch.equal(got[b][list(want)], z[b][list(want)]), "kept logits must stay unchanged"
-ties = torch.tensor([[5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0], [5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0],
-                     [5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]])
-got = apply_top_k(ties, torch.tensor([1, 3, 5, 2]))
-assert _kept(got[0]) == {0, 2}, "top_k=1 with two tokens tied at the top: both survive"
-assert _kept(got[1]) == {0, 2, 3, 4, 5}, "top_k=3: the 3rd largest is 3.0, and every token at 3.0 survives"
-assert _kept(got[2]) == {0, 2, 3, 4, 5}, "top_k=5: exactly the tokens down to the 5th largest"
-assert _kept(got[3]) == set(range(7)), "all logits equal: every token ties with the k-th and survives"
-masked = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf"), 2.0]])
-assert _kept(apply_top_k(masked, torch.tensor([4]))) == {0, 2, 4}, "tokens already at -inf stay removed"
-assert _kept(apply_top_k(masked, torch.tensor([2]))) == {2, 4}
-### END HIDDEN TESTS
-"""),
-md(r"""
-## Problem 3: Top-p (3 points)
-
-**Deliverable:** `apply_top_p(logits, top_p)` takes `logits` `(B, V)` (some may already be
-$-\infty$) and `top_p` `(B,)` in `(0, 1]`, and returns logits where, in each row with
-`top_p[b] < 1`, every token is set to $-\infty$ unless the tokens more probable than it (by the
-softmax of that row) hold less than `top_p[b]` in total. Rows with `top_p[b] == 1` are unchanged.
-Raise `ValueError` for a `top_p` outside `(0, 1]`.
-"""),
-solution("top_p", r'''
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per row, keep the most probable tokens until their mass reaches top_p (the crossing token too)."""
-    ### BEGIN SOLUTION
-    p = torch.as_tensor(top_p, dtype=torch.float32, device=logits.device)
-    if ((p <= 0) | (p > 1)).any():
-        raise ValueError(f"top_p must be in (0, 1], got {p.tolist()}")
-    probs = logits.float().softmax(dim=-1)                                # (B, V)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    above = sorted_probs.cumsum(dim=-1) - sorted_probs                    # mass ranked above each token
-    drop_sorted = (above >= p[:, None]) & (p[:, None] < 1)                # top_p = 1: drop nothing
-    drop_sorted[:, 0] = False                                             # the top token always survives
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)   # back to vocabulary order
-    return logits.masked_fill(drop, float("-inf"))
-    ### END SOLUTION
-'''),
-tests("top_p_tests", 3, r"""
-z = torch.tensor([0.5, 0.3, 0.2]).log().expand(4, 3)
-out = apply_top_p(z, torch.tensor([0.6, 0.45, 0.9, 1.0]))
-assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
-assert torch.isinf(out[0]).tolist() == [False, False, True], \
-    "top_p=0.6 over (0.5, 0.3, 0.2): 0.5 alone is short of 0.6, so the token that crosses it (0.3) is kept too"
-assert torch.isinf(out[1]).tolist() == [False, True, True], "top_p=0.45: the top token alone reaches it"
-assert torch.isinf(out[2]).tolist() == [False, False, False], "top_p=0.9: 0.5 + 0.3 = 0.8 < 0.9, so 0.2 is needed too"
-assert torch.equal(out[0, :2], z[0, :2]), "kept logits stay unchanged"
-wide = torch.linspace(30.0, -30.0, 200)[None]
-assert torch.equal(apply_top_p(wide, torch.tensor([1.0])), wide), \
-    "top_p=1 is off: nothing is removed, not even tokens whose probability is tiny (a float32 running sum reaches 1.0 early)"
-### BEGIN HIDDEN TESTS
-""" + HIDDEN_REFERENCE + r"""
-g = torch.Generator().manual_seed(3)
-z = torch.randn(6, 30, generator=g) * 2.5
-keep = z.clone()
-ps = [0.05, 0.3, 0.62, 0.9, 0.97, 1.0]
-got = apply_top_p(z, torch.tensor(ps))
-assert torch.equal(z, keep), "apply_top_p must not modify its input"
-for b, p in enumerate(ps):
-    ref = _ref_probs(z[b].double().tolist(), p=p)
-    pr = torch.softmax(z[b].double(), -1)
-    srt = pr.sort(descending=True).values
-    assert p == 1.0 or ((srt.cumsum(0) - srt - p).abs() > 1e-4).all(), "self-check: no token sits on the boundary"
-    assert _kept(got[b]) == set(ref), f"row {b}, top_p={p}: expected survivors {sorted(ref)}, got {sorted(_kept(got[b]))}"
-    assert torch.equal(got[b][sorted(ref)], z[b][sorted(ref)]), "kept logits must stay unchanged"
-two = torch.tensor([[4.0, 0.0, -1.0, -2.0]])
-assert _kept(apply_top_p(two, torch.tensor([0.01]))) == {0}, "the top token always survives"
-masked = torch.tensor([[2.0, float("-inf"), 1.0, 0.0, float("-inf")]])      # probabilities 0.665, 0.245, 0.090
-assert _kept(apply_top_p(masked, torch.tensor([0.8]))) == {0, 2}, "probabilities come from the softmax over the row as given"
-assert _kept(apply_top_p(masked, torch.tensor([1.0]))) == {0, 2, 3}
-wide = torch.linspace(40.0, -40.0, 500).expand(2, 500)
-assert torch.equal(apply_top_p(wide, torch.tensor([1.0, 1.0])), wide), "top_p = 1 removes nothing"
-for bad in (0.0, 1.5, -0.2):
-    try:
-        apply_top_p(z[:1], torch.tensor([bad]))
-    except ValueError:
-        pass
-    else:
-        raise AssertionError(f"top_p={bad} must raise ValueError")
-### END HIDDEN TESTS
-"""),
-md(r"""
-### See it: which tokens survive?
-
-The real model's distribution for the next token after a prompt, reshaped by your three functions.
-Each row is one of the 12 most likely tokens: the light bar is its probability at the chosen
-temperature before truncation, the dark bar its probability after truncation and renormalization,
-and a struck-out grey row is a token that was cut. The last row gathers the rest of the vocabulary.
-Every combination of the sliders is computed ahead of time from your functions, so the widget also
-works in a static page.
-"""),
-code(r"""
-from course.widgets import sampling_explorer
-
-def truncate(z, temperature, top_k, top_p):
-    '''One row (V,) through your processors: temperature, then top-k, then top-p.'''
-    row = apply_temperature(z[None], torch.tensor([float(temperature)], device=z.device))
-    row = apply_top_k(row, torch.tensor([int(top_k)], device=z.device))
-    return apply_top_p(row, torch.tensor([float(top_p)], device=z.device))[0]
-
-explore_prompt = "My favourite food is"
-with torch.no_grad():
-    ids = torch.tensor([tokenizer(explore_prompt).input_ids], device=dev)
-    explore_logits = model(ids, torch.arange(ids.shape[1], device=dev)[None])[0, -1].float().cpu()
-sampling_explorer(explore_logits, lambda i: tokenizer.decode([i]), truncate, prompt=explore_prompt)
-"""),
-md(r"""
-Try: at temperature 1 with top-k and top-p off, how much probability sits outside the 12 rows?
-Move top-p to 0.8, then raise the temperature: more tokens survive, because a flatter distribution
-needs more tokens to reach 80%. Top-k does not react to temperature at all (the ranking does not
-change). Now compare a prompt where the model is sure of itself:
-"""),
-code(r"""
-def survivors_at(prompt, temperature=1.0, top_k=0, top_p=1.0):
-    with torch.no_grad():
-        ids = torch.tensor([tokenizer(prompt).input_ids], device=dev)
-        z = model(ids, torch.arange(ids.shape[1], device=dev)[None])[0, -1].float()
-    return int(torch.isfinite(truncate(z, temperature, top_k, top_p)).sum())
-
-for prompt in ("The capital of France is", "The weather today is", "I like to eat"):
-    print(f"{prompt!r:28}: top-p 0.9 keeps {survivors_at(prompt, top_p=0.9):5d} tokens, "
-          f"top-p 0.5 keeps {survivors_at(prompt, top_p=0.5):4d}, top-k 50 keeps {survivors_at(prompt, top_k=50)}")
-"""),
-md(r"""
-Top-k keeps the same number of tokens whatever the context. Top-p keeps a handful where the model is
-sure and many more where it is not. That adaptivity is why top-p became the default knob of most APIs.
-
-## Problem 4: Min-p (2 points)
-
-Min-p also adapts, with a rule that is cheaper (no sort) and reads differently: a token survives if
-it is at least `min_p` times as probable as the top token. With `min_p = 0.1` and a top token at
-0.6, the bar is 0.06; with a top token at 0.05, it is 0.005.
-
-**Deliverable:** `apply_min_p(logits, min_p)` takes `logits` `(B, V)` and `min_p` `(B,)` in `[0, 1]`
-and returns logits where every token whose probability (softmax of its row) is below `min_p[b]`
-times the row's largest probability is set to $-\infty$. `min_p = 0` changes nothing.
-"""),
-solution("min_p", r'''
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Per row, remove the tokens less than min_p times as probable as the top token."""
-    ### BEGIN SOLUTION
-    m = torch.as_tensor(min_p, dtype=torch.float32, device=logits.device)
-    probs = logits.float().softmax(dim=-1)                                # (B, V)
-    bar = m[:, None] * probs.max(dim=-1, keepdim=True).values             # (B, 1)
-    return logits.masked_fill(probs < bar, float("-inf"))
-    ### END SOLUTION
-'''),
-tests("min_p_tests", 2, r"""
-z = torch.tensor([0.6, 0.3, 0.07, 0.03]).log().expand(3, 4)
-out = apply_min_p(z, torch.tensor([0.1, 0.4, 0.0]))
-assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
-assert torch.isinf(out[0]).tolist() == [False, False, False, True], "min_p=0.1, top 0.6: the bar is 0.06, so 0.03 is cut"
-assert torch.isinf(out[1]).tolist() == [False, False, True, True], "min_p=0.4: the bar is 0.24"
-assert torch.equal(out[2], z[2]), "min_p=0 changes nothing"
-### BEGIN HIDDEN TESTS
-""" + HIDDEN_REFERENCE + r"""
-g = torch.Generator().manual_seed(4)
-z = torch.randn(5, 30, generator=g) * 2
-keep = z.clone()
-ms = [0.0, 0.02, 0.13, 0.5, 1.0]
-got = apply_min_p(z, torch.tensor(ms))
-assert torch.equal(z, keep), "apply_min_p must not modify its input"
-for b, m in enumerate(ms):
-    ref = _ref_probs(z[b].double().tolist(), m=m)
-    assert _kept(got[b]) == set(ref), f"row {b}, min_p={m}: expected survivors {sorted(ref)}, got {sorted(_kept(got[b]))}"
-    assert torch.equal(got[b][sorted(ref)], z[b][sorted(ref)]), "kept logits must stay unchanged"
-hot = torch.tensor([[8.0, 7.0, 0.0, -1.0]])
-assert _kept(apply_min_p(hot, torch.tensor([0.3]))) == {0, 1}, "the bar is relative to the top probability"
-### END HIDDEN TESTS
-"""),
-md(r"""
-## 4. One sampler for a whole batch
-
-An engine samples all the rows of a batch at once, and every row belongs to a different request with
-its own settings. vLLM collects them in a `SamplingParams` per request; ours is a small version of it:
-"""),
-locked("sampling_params", r'''
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling settings (a small version of vLLM's SamplingParams)."""
-    temperature: float = 1.0     # 0: greedy
-    top_k: int = 0               # 0: off
-    top_p: float = 1.0           # 1: off
-    min_p: float = 0.0           # 0: off
-    seed: int | None = None      # None: draw from torch's global generator
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-'''),
-md(r"""
-**The order.** The processors do not commute. Temperature must come first: top-p and min-p read
-probabilities, and a user who lowers the temperature expects a narrower choice; were top-p applied
-to the raw distribution, the survivors would not depend on the temperature at all. Top-k comes
-before top-p, so top-p measures its mass over the top-k survivors (and only has to sort `k` tokens,
-which fast GPU samplers exploit). Engines differ on min-p: vLLM's V1 sampler applies it right after
-temperature, before top-k and top-p; HF `generate` applies temperature, top-k, top-p, then min-p.
-We follow vLLM:
-
-```
-greedy rows (temperature 0):  argmax of the raw logits
-other rows:  temperature -> min-p -> top-k -> top-p -> softmax -> draw one token
-```
-
-Top-k and min-p commute (both keep a top slice of the same ranking), but min-p and top-p do not: a
-top-p applied after min-p measures `p` over fewer, renormalized tokens, and may keep fewer of them.
-The cell after the sampler measures how often that changes the survivors on the real model.
-
-**Random generators, one per request.** A request with a `seed` must get the same text every time
-it is sent, whoever shares its batch (the batch changes at every step under continuous batching,
-lab 04). So each seeded request owns a `torch.Generator`, seeded once when the request arrives and
-advanced only by its own draws. Drawing a whole batch from one generator would tie every
-request's randomness to its neighbours. Rows without a generator draw from torch's global one.
-
-## Problem 5: The batched sampler (4 points)
-
-**Deliverable:** `sample(logits, params, generators=None)` takes `logits` `(B, V)`, one
-`SamplingParams` per row and, optionally, one `torch.Generator` or `None` per row (`generators=None`
-means none at all), and returns `(B,)` `torch.long` token ids: the argmax of the raw logits for
-rows at temperature 0, and for the other rows one token drawn from the distribution left by your
-processors in the order above, each row with its own settings, a row with a generator drawing with
-that generator only. Raise `ValueError` if `params` or `generators` does not have `B` entries. Do not
-modify `logits`. (`torch.multinomial(probs, 1, generator=g)` draws one token from each row of `probs`.)
-"""),
-solution("sampler", r'''
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
-    """One token per row: greedy rows take the argmax; the others are processed, then drawn."""
-    B = logits.shape[0]
-    if generators is None:
-        generators = [None] * B
-    if len(params) != B or len(generators) != B:
-        raise ValueError(f"need one SamplingParams and one generator (or None) per row: B={B}, "
-                         f"got {len(params)} params and {len(generators)} generators")
-    ### BEGIN SOLUTION
-    d = logits.device
-    z = logits.float()
-    greedy = z.argmax(dim=-1)                                             # (B,) from the raw logits
-    z = apply_temperature(z, torch.tensor([q.temperature for q in params], device=d))
-    z = apply_min_p(z, torch.tensor([q.min_p for q in params], device=d))
-    z = apply_top_k(z, torch.tensor([q.top_k for q in params], device=d))
-    z = apply_top_p(z, torch.tensor([q.top_p for q in params], device=d))
-    probs = z.softmax(dim=-1)                                             # (B, V)
-    out = greedy.clone()
-    shared = [b for b in range(B) if params[b].temperature > 0 and generators[b] is None]
-    if shared:                                                            # one draw for all of them
-        out[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
-    for b in range(B):                                                    # each seeded row on its own
-        if params[b].temperature > 0 and generators[b] is not None:
-            out[b] = torch.multinomial(probs[b], 1, generator=generators[b])[0]
-    return out
-    ### END SOLUTION
-'''),
-tests("sampler_tests", 4, r"""
-z = torch.tensor([[0.0, 3.0, 1.0, 2.0]]).repeat(3, 1)
-out = sample(z, [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(temperature=0.7, top_p=0.5)])
-assert out.shape == (3,) and out.dtype == torch.long, f"expected a (3,) torch.long tensor, got {tuple(out.shape)} {out.dtype}"
-assert out[0] == 1, "temperature 0 is greedy: the argmax of the raw logits"
-assert out[1] == 1, "top_k=1 leaves only the top token"
-assert out[2] == 1, "top_p=0.5 keeps only the top token here (p = 0.76 at temperature 0.7)"
-assert torch.equal(z[0], torch.tensor([0.0, 3.0, 1.0, 2.0])), "do not modify the logits"
-flat = torch.zeros(1, 50)
-runs = [[sample(flat, [SamplingParams(seed=7)], [g]).item() for _ in range(30)] for g in
-        (torch.Generator().manual_seed(7), torch.Generator().manual_seed(7))]
-assert runs[0] == runs[1], "the same seed must give the same tokens: draw seeded rows with their own generator"
-assert len(set(runs[0])) > 5, "a generator must advance from draw to draw: 30 draws from 50 equal tokens cannot all agree"
-# Frequencies: 20,000 draws of a known distribution. By Hoeffding's inequality, a correct sampler's
-# frequency of a token misses its probability by 0.03 or more with chance at most
-# 2 exp(-2 * 20000 * 0.03**2) = 4.6e-16, so this check fails a correct sampler less than once in 10^15 runs.
-N = 20000
-freq = torch.bincount(sample(torch.tensor([0.5, 0.3, 0.2]).log().expand(N, 3), [SamplingParams()] * N), minlength=3) / N
-assert (freq - torch.tensor([0.5, 0.3, 0.2])).abs().max() < 0.03, \
-    f"temperature 1, no truncation: frequencies {freq.tolist()} should be close to (0.5, 0.3, 0.2)"
-### BEGIN HIDDEN TESTS
-""" + HIDDEN_REFERENCE + r"""
-# Frequencies against the float64 reference. Each check below fails a correct sampler with chance at
-# most 2 exp(-2 N eps^2) = 2 exp(-18) = 3.1e-8 (Hoeffding, N = 10,000 draws, eps = 0.03); there are
-# 6 tokens x 5 settings = 30 checks, so a false failure has chance below 30 x 3.1e-8 = 1e-6 by the
-# union bound. Seeds are fixed, so the outcome is also the same on every run.
-q = [0.35, 0.25, 0.15, 0.12, 0.08, 0.05]
-z6 = torch.tensor(q).log()
-N, eps = 10000, 0.03
-settings = [dict(temperature=0.5, top_p=0.7),                 # temperature before top-p; the crossing token
-            dict(temperature=0.8, top_p=0.7, min_p=0.25),     # min-p before top-p (vLLM's order)
-            dict(temperature=0.6, top_k=3, top_p=0.85, min_p=0.1),   # top-k before top-p
-            dict(temperature=1.5, top_k=3)]
-def _check(draws, s):
-    ref = _ref_probs(z6.double().tolist(), t=s.get("temperature", 1.0), k=s.get("top_k", 0),
-                     p=s.get("top_p", 1.0), m=s.get("min_p", 0.0))
-    freq = torch.bincount(draws, minlength=6).double() / len(draws)
-    for i in range(6):
-        if i not in ref:
-            assert freq[i] == 0, f"{s}: token {i} must be cut, but was drawn {int(freq[i] * len(draws))} times"
-        else:
-            assert abs(freq[i] - ref[i]) < eps, f"{s}: token {i} drawn with frequency {freq[i]:.3f}, expected {ref[i]:.3f}"
-torch.manual_seed(123)
-params = [SamplingParams(**s) for s in settings for _ in range(N)]
-draws = sample(z6.expand(len(params), 6).clone(), params)
-for j, s in enumerate(settings):
-    _check(draws[j * N:(j + 1) * N].cpu(), s)
-seeded = dict(temperature=1.3, top_p=0.8)
-gens = [torch.Generator().manual_seed(1000 + i) for i in range(N)]
-_check(sample(z6.expand(N, 6).clone(), [SamplingParams(**seeded)] * N, gens).cpu(), seeded)
-# greedy rows: argmax of the raw logits, whatever else is set, with or without a generator
-g = torch.Generator().manual_seed(5)
-z = torch.randn(4, 30, generator=g) * 3
-ps = [SamplingParams(temperature=0.0, top_p=0.3), SamplingParams(temperature=0.0, top_k=2, seed=1),
-      SamplingParams(temperature=0.0, min_p=0.9), SamplingParams(temperature=0.0)]
-got = sample(z, ps, [None, torch.Generator().manual_seed(1), None, None])
-assert got.tolist() == z.argmax(-1).tolist(), "temperature 0 rows must return the argmax of the raw logits"
-keep = z.clone()
-sample(z, [SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05)] * 4)
-assert torch.equal(z, keep), "sample must not modify the logits"
-# one generator per row: same seed, same draws, whatever the neighbours or the position in the batch
-flat = torch.zeros(4, 40)
-def _seq(rows_gens, row, calls=25):
-    return [sample(flat[:len(rows_gens)], [SamplingParams()] * len(rows_gens), rows_gens)[row].item() for _ in range(calls)]
-alone = _seq([torch.Generator().manual_seed(11)], 0)
-torch.manual_seed(0)
-crowd = _seq([None, torch.Generator().manual_seed(3), torch.Generator().manual_seed(11), None], 2)
-assert alone == crowd, "a seeded row must draw the same tokens alone and in a batch: use only its own generator"
-twins = [torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)]
-pairs = [sample(flat[:2], [SamplingParams()] * 2, twins).tolist() for _ in range(25)]
-assert all(a == b for a, b in pairs), "two rows with equally seeded generators must draw equal tokens"
-assert len({a for a, _ in pairs}) > 5, "each generator must advance with every draw"
-torch.manual_seed(42)
-a = [sample(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
-torch.manual_seed(42)
-b = [sample(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
-assert a == b, "rows without a generator draw from torch's global generator"
-for bad in (dict(params=[SamplingParams()] * 3), dict(params=[SamplingParams()] * 4, generators=[None] * 2)):
-    try:
-        sample(flat, **bad)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("params and generators must have one entry per row: raise ValueError")
-### END HIDDEN TESTS
-"""),
-md(r"""
-Does the order of min-p and top-p matter on real text? For a few prompts, the survivors of
-`top_p = 0.9, min_p = 0.05` at temperature 1, in vLLM's order (min-p first) and in HF's (top-p first):
-"""),
-code(r"""
-for prompt in ("The capital of France is", "The weather today is", "My favourite food is", "I think that"):
-    with torch.no_grad():
-        ids = torch.tensor([tokenizer(prompt).input_ids], device=dev)
-        z = model(ids, torch.arange(ids.shape[1], device=dev)[None])[:, -1].float()     # (1, V)
-    p, m = torch.tensor([0.9], device=dev), torch.tensor([0.05], device=dev)
-    vllm = torch.isfinite(apply_top_p(apply_min_p(z, m), p)).sum().item()
-    hf = torch.isfinite(apply_min_p(apply_top_p(z, p), m)).sum().item()
-    print(f"{prompt!r:40}: min-p then top-p keeps {vllm:3d} tokens, top-p then min-p keeps {hf:3d}")
-"""),
-md(r"""
-When min-p removes a long tail, top-p then measures its 90% over the few survivors and may cut some
-of them too, so the first order tends to keep fewer tokens. A server and a library given the same
-settings can therefore sample from different sets. When you compare engines, compare their orders too.
-
-## 5. Seeded generation
-
-The sampler takes generators; a request's `seed` has to become one. Each request gets its own
-generator when it starts, and keeps it for all its tokens: that is what makes a seeded request
-repeatable, in any batch.
-
-## Problem 6: Seeded, per-request generation (2 points)
-
-**Deliverable:** `sampled_generate(model, prompts, params, max_new_tokens, eos_token_id=None)` returns
-the new tokens of every prompt (a list of lists), generated in one batch with the given `generate`
-loop, where row `b` is sampled with `params[b]`: a request with a `seed` gets its own
-`torch.Generator` (on the model's device), seeded with that seed once, before the first token;
-a request without a seed uses torch's global generator.
-"""),
-solution("sampled_generate", r'''
-def sampled_generate(model, prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int,
-                     eos_token_id: int | None = None) -> list[list[int]]:
-    """Generate every prompt in one batch, each with its own sampling settings and generator."""
-    if len(params) != len(prompts):
-        raise ValueError(f"need one SamplingParams per prompt: {len(prompts)} prompts, {len(params)} params")
-    ### BEGIN SOLUTION
-    generators = [None if q.seed is None else torch.Generator(device=model.device).manual_seed(q.seed)
-                  for q in params]                                       # once per request, not per step
-    return generate(model, prompts, max_new_tokens, lambda logits: sample(logits, params, generators), eos_token_id)
-    ### END SOLUTION
-'''),
-code(r"""
-fox = tokenizer("The quick brown fox jumps over the").input_ids
-for q in (SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=2)):
-    print(q.seed, repr(tokenizer.decode(sampled_generate(model, [fox], [q], 12)[0])))
-"""),
-tests("sampled_generate_tests", 2, r"""
-fox = tokenizer("The quick brown fox jumps over the").input_ids
-q = SamplingParams(temperature=1.0, seed=1234)
-one = sampled_generate(model, [fox], [q], 8)[0]
-assert len(one) == 8, f"expected 8 new tokens, got {len(one)}"
-assert sampled_generate(model, [fox], [q], 8)[0] == one, "the same seed must give the same text"
-other = tokenizer("Water boils at").input_ids
-batch = sampled_generate(model, [other, fox], [SamplingParams(temperature=1.3), q], 8)
-assert batch[1] == one, "a seeded request must give the same text when it shares the batch with another request"
-greedy = generate(model, [fox], 8, greedy_pick)[0]
-assert sampled_generate(model, [fox], [SamplingParams(temperature=0.0)], 8)[0] == greedy, "temperature 0 is greedy"
-### BEGIN HIDDEN TESTS
-torch.manual_seed(0)
-cfg = course.ModelConfig(family="llama", vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, d_model=16, d_ff=32, max_seq_len=64)
-flat = course.Decoder(cfg).eval()
-with torch.no_grad():
-    for prm in flat.parameters():
-        prm.zero_()                                         # every logit 0: a uniform next token, at every step
-ps = [[1, 2, 3], [4], [5, 6]]
-seeded = [SamplingParams(seed=21), SamplingParams(seed=8), SamplingParams(seed=21)]
-out = sampled_generate(flat, ps, seeded, 30)
-assert [len(o) for o in out] == [30, 30, 30]
-assert out[0] == out[2], "two requests with the same seed must give the same tokens, even in one batch"
-assert out[0] != out[1], "different seeds must give different tokens"
-assert len(set(out[0])) > 10, "the generator must be created once and keep advancing (30 uniform draws from 64 tokens)"
-alone = sampled_generate(flat, [[5, 6]], [SamplingParams(seed=21)], 30)[0]
-assert alone == out[2], "a seeded request's tokens must not depend on the batch"
-shuffled = sampled_generate(flat, [ps[2], [9, 9, 9, 9], ps[0]], [seeded[2], SamplingParams(), seeded[0]], 30)
-assert shuffled[0] == out[2] and shuffled[2] == out[0], "nor on its position in the batch"
-torch.manual_seed(5)
-u1 = sampled_generate(flat, ps, [SamplingParams()] * 3, 10)
-torch.manual_seed(5)
-assert sampled_generate(flat, ps, [SamplingParams()] * 3, 10) == u1, "requests without a seed use torch's global generator"
-eos_run = sampled_generate(flat, [[1]], [SamplingParams(seed=3)], 60, eos_token_id=out[1][4])[0]
-assert len(eos_run) <= 60 and (eos_run[-1] == out[1][4] or len(eos_run) == 60), "stop after EOS (kept)"
-### END HIDDEN TESTS
-"""),
-md(r"""
-## 6. Beam search
-
-Greedy decoding commits to the best token at every step. The workshop names its second flaw: it
-"misses high-probability words hidden behind low-probability words". A sequence whose first token
-is only second best may be far more likely as a whole. **Beam search** keeps the `num_beams` best
-partial sequences (the *beams*) instead of one, scores each by the sum of its tokens'
-log-probabilities, and returns the best finished sequence it found.
-
-Sums of log-probabilities favour short sequences, since every token adds a negative number. A
-**length penalty** corrects that when finished sequences are compared: a finished sequence of
-`L` new tokens (EOS included) with sum of log-probabilities `s` scores
-
-$$\text{score} = \frac{s}{L^{\alpha}}, \qquad \alpha = \texttt{length\_penalty}.$$
-
-$\alpha = 1$ compares the mean log-probability per token; $\alpha > 1$ favours longer sequences, and
-$\alpha < 0$ shorter ones. (GNMT, Wu et al. 2016, proposed $((5 + L)/6)^\alpha$; HF uses $L^\alpha$.)
-
-The exact rules decide which sequence comes out, and we want yours to equal Hugging Face
-`generate(num_beams=K, length_penalty=alpha, do_sample=False)` token for token. Its algorithm, with
-`K = num_beams`:
-
-1. Start with one running beam: no new tokens, score 0.
-2. Each step, every running beam proposes every next token: the beam's score plus the token's
-   log-probability (`log_softmax` of that beam's logits). Take the best `2K` proposals over all beams,
-   best first. (Twice `K`, so that enough remain when some end in EOS.)
-3. Walk them in that order. A proposal whose token is EOS is **finished**, if it is among the first
-   `K` proposals (otherwise it is dropped), and is scored with the length penalty. Any other
-   proposal becomes a running beam of the next step, until there are `K` of them.
-4. At the last step (`max_new_tokens` new tokens), the first `K` proposals are all finished, EOS or not.
-5. Keep only the best `K` finished sequences. Stop early when `K` finished sequences exist and the
-   best running beam, scored with the length penalty as if it ended now (`L` = tokens so far), is not
-   better than the worst of them. (HF's default `early_stopping=False`; this check is a heuristic.)
-6. Return the new tokens of the best finished sequence, EOS included if it ended with one.
-
-The running beams live in the slots of a `SlotKVCache`, one per beam. When beam `i` of the next step
-continues beam `j` of this step, slot `i` must hold the keys and values of beam `j`. The given
-`reorder_beams` copies them, like HF's `cache.reorder_cache`. (vLLM does it without copying:
-the beams share their common prefix's blocks, with copy-on-write, the fork of lab 05.)
-"""),
-locked("reorder_beams", r'''
-def reorder_beams(cache: SlotKVCache, parents: list[int]) -> None:
-    """Slot i becomes a copy of slot parents[i], for i < len(parents): each new beam gets its parent's K/V."""
-    src = torch.as_tensor(parents, dtype=torch.long, device=cache.device)
-    n = src.shape[0]
-    cache.k[:, :n] = cache.k[:, src]
-    cache.v[:, :n] = cache.v[:, src]
-    cache.lengths[:n] = cache.lengths[src].clone()
-    cache.valid[:n] = cache.valid[src].clone()
-'''),
-md(r"""
-## Problem 7: Beam search with a length penalty (4 points)
-
-**Deliverable:** `beam_search(model, prompt, num_beams, max_new_tokens, length_penalty=1.0,
-eos_token_id=None)` runs the algorithm above on our model (with `forward_cached`, one cache slot per
-beam, and `reorder_beams`) and returns the new tokens of the best finished sequence as a list of
-ints. Its output equals HF `generate` with the same settings.
-"""),
-solution("beam_search", r'''
-@torch.no_grad()
-def beam_search(model, prompt: list[int], num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
-                eos_token_id: int | None = None) -> list[int]:
-    """The most likely continuation HF-style beam search finds, scored sum(log p) / length**length_penalty."""
-    if num_beams < 1 or max_new_tokens < 1 or not prompt:
-        raise ValueError("need a non-empty prompt, num_beams >= 1 and max_new_tokens >= 1")
-    d, K, T = model.device, num_beams, len(prompt)
-    cache = SlotKVCache(model.cfg, n_slots=K, max_len=T + max_new_tokens, device=d)
-    ### BEGIN SOLUTION
-    logits = forward_cached(model, torch.tensor([prompt], device=d), torch.arange(T, device=d)[None],
-                            cache, torch.tensor([0], device=d))[:, -1]     # (1, V): the prompt, in slot 0
-    beams = [(0.0, [])]                                                   # running: (sum of log p, tokens)
-    finished = []                                                         # (penalized score, tokens)
-    for step in range(max_new_tokens):
-        scores = torch.tensor([s for s, _ in beams], device=d)[:, None] + torch.log_softmax(logits.float(), dim=-1)
-        V = scores.shape[1]
-        top = scores.flatten().topk(2 * K)                                # best 2K proposals, best first
-        last = step + 1 == max_new_tokens
-        running = []
-        for rank, (s, flat) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
-            parent, tok = divmod(flat, V)
-            if tok == eos_token_id or last:
-                if rank < K:
-                    finished.append((s / (step + 1) ** length_penalty, beams[parent][1] + [tok]))
-            else:
-                running.append((s, parent, tok))
-            if len(running) == K:
-                break
-        finished = sorted(finished, key=lambda f: f[0], reverse=True)[:K]
-        if last or (len(finished) == K and running[0][0] / (step + 1) ** length_penalty <= finished[-1][0]):
-            break
-        reorder_beams(cache, [parent for _, parent, _ in running])
-        beams = [(s, beams[parent][1] + [tok]) for s, parent, tok in running]
-        ids = torch.tensor([[tok] for _, _, tok in running], device=d)    # (K, 1)
-        pos = torch.full((len(running), 1), T + step, device=d)           # (K, 1): all beams at one position
-        logits = forward_cached(model, ids, pos, cache, torch.arange(len(running), device=d))[:, -1]   # (K, V)
-    return finished[0][1]
-    ### END SOLUTION
-'''),
-locked("hf_beam", r"""
-hf_model = course.load_hf_model(device=env.device)
-
-def hf_beam(prompt, num_beams, max_new_tokens, length_penalty=1.0):
-    '''HF generate's beam search: the new tokens of the best sequence, EOS included if it has one.'''
-    ids = torch.tensor([prompt], device=dev)
-    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=num_beams, do_sample=False,
-                            max_new_tokens=max_new_tokens, length_penalty=length_penalty,
-                            eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt):].tolist()
-    return out[:out.index(EOS) + 1] if EOS in out else out
-"""),
-code(r"""
-beam_cases = env.pick([("The quick brown fox jumps over the", 4, 20, 1.0), ("My trip to Yosemite was", 3, 16, 2.0),
-                       ("def fibonacci(n):", 5, 12, -1.0), ("The capital of France is", 2, 24, 0.5)],
-                      [("def fibonacci(n):", 2, 8, -1.0)])
-for text, K, n, lp in beam_cases:
-    p = tokenizer(text).input_ids
-    ours, theirs = beam_search(model, p, K, n, lp, eos_token_id=EOS), hf_beam(p, K, n, lp)
-    print(f"num_beams={K}, length_penalty={lp:4}: equal to HF: {ours == theirs}  {tokenizer.decode(ours)!r}")
-"""),
-tests("beam_search_tests", 4, r"""
-p = tokenizer("The quick brown fox jumps over the").input_ids
-ours = beam_search(model, p, num_beams=3, max_new_tokens=10, length_penalty=1.0, eos_token_id=EOS)
-assert isinstance(ours, list) and all(isinstance(t, int) for t in ours), "return a list of ints"
-assert ours == hf_beam(p, 3, 10, 1.0), f"differs from HF generate: {tokenizer.decode(ours)!r} vs {tokenizer.decode(hf_beam(p, 3, 10, 1.0))!r}"
-assert beam_search(model, p, num_beams=1, max_new_tokens=6, eos_token_id=EOS) == generate(model, [p], 6, greedy_pick)[0], \
-    "one beam is greedy decoding"
-### BEGIN HIDDEN TESTS
-""" + HIDDEN_TINY + r"""
-n_eos = 0
-for seed in range(4):
-    hf_tiny, ours_tiny = _tiny_pair(seed)
+locked("paged_case", r'''
+def paged_case(lens, H, Hkv, D, block_size, dtype=torch.float32, seed=0):
+    """Random K/V for sequences of the given lengths, in shuffled blocks of a pool, on the lab's device.
+    Unused slots hold NaN, like stale memory: a kernel that reads past a sequence's end gives NaN, not
+    a silent error. The blocks come from the course's allocator (lab 05), shuffled."""
     g = torch.Generator().manual_seed(seed)
-    for trial in range(3):
-        prompt = torch.randint(0, 48, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
-        with torch.no_grad():
-            path = hf_tiny.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
-        eos = path[int(torch.randint(0, 8, (1,), generator=g))]          # a token the model does emit
-        for K, lp in ((2, 1.0), (3, 2.0), (4, -0.5), (3, 0.0)):
-            with torch.no_grad():
-                out = hf_tiny.generate(torch.tensor([prompt]), num_beams=K, length_penalty=lp, do_sample=False,
-                                       max_new_tokens=10, eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
-            want = out[:out.index(eos) + 1] if eos in out else out
-            n_eos += eos in want
-            got = beam_search(ours_tiny, prompt, K, 10, lp, eos_token_id=eos)
-            assert got == want, f"tiny model {seed}, prompt {prompt}, num_beams={K}, length_penalty={lp}, eos={eos}: expected {want}, got {got}"
-assert n_eos > 10, "self-check: the cases must include sequences that end with EOS"
-p = tokenizer("My trip to Yosemite was").input_ids
-assert beam_search(model, p, 2, 8, 2.0, eos_token_id=EOS) == hf_beam(p, 2, 8, 2.0), "real model, length_penalty=2"
+    alloc = BlockAllocator(n_blocks=sum(-(-L // block_size) for L in lens) + 2, block_size=block_size)
+    alloc.free_blocks = deque(torch.randperm(alloc.n_blocks, generator=g).tolist())
+    k_cache = torch.full((alloc.n_blocks, block_size, Hkv, D), float("nan"), dtype=dtype, device=dev)
+    v_cache = k_cache.clone()
+    for seq, L in enumerate(lens):
+        k = torch.randn(L, Hkv, D, generator=g).to(dev, dtype)   # drawn on the CPU generator, then moved
+        v = torch.randn(L, Hkv, D, generator=g).to(dev, dtype)
+        write_kv(k_cache, v_cache, k, v, torch.tensor(alloc.append(seq, L), device=dev))
+    tables = block_table_tensor([alloc.block_tables[s] for s in range(len(lens))], dev)
+    q = torch.randn(len(lens), H, D, generator=g).to(dev, dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=dev)
+'''),
+code(r'''
+case = paged_case([5, 8, 1, 13], H=9, Hkv=3, D=16, block_size=4)
+diff = (paged_attention_v1(*case, 0.25) - paged_attention(*case, 0.25)).abs().max().item()
+print(f"v1 against the reference: max |diff| = {diff:.1e}")
+'''),
+tests("paged_attention_v1_tests", 4, r"""
+from course.expect import expect_tensor
+for lens, H, Hkv, bs in (([5, 8, 1, 13], 9, 3, 4), ([4, 7], 4, 4, 4), ([16, 3], 4, 1, 8)):
+    case = paged_case(lens, H=H, Hkv=Hkv, D=16, block_size=bs, seed=H)
+    out = expect_tensor(paged_attention_v1(*case, 0.25), "paged_attention_v1(...)", dtype=torch.float32,
+                        shape=(len(lens), H, 16), device=dev)
+    diff = (out - paged_attention(*case, 0.25)).abs().max().item()
+    assert diff < 1e-4, f"lengths {lens}, H={H}, Hkv={Hkv}, block_size={bs}: max |diff| {diff:.1e} from the reference " \
+                        "(NaN: a load or a score past context_len is not masked)"
+### BEGIN HIDDEN TESTS
+""" + HIDDEN_ATTENTION + r"""
+for H, Hkv, bs, dtype, seed in ((4, 4, 4, torch.float32, 1), (8, 2, 8, torch.float16, 2), (4, 1, 16, torch.float32, 3),
+                                (9, 3, 2, torch.float16, 4), (6, 3, 1, torch.float32, 5)):
+    lens = [1, bs, 2 * bs + 1, 3 * bs]
+    q, kcache, vcache, bt, cl, ks, vs = _paged_case(lens, H, Hkv, 16, bs, dtype, seed, pad_width=1)
+    out = expect_tensor(paged_attention_v1(q, kcache, vcache, bt, cl, 0.25), f"paged_attention_v1 ({dtype})",
+                        dtype=dtype, shape=tuple(q.shape), device=dev)
+    err = (out.cpu().double() - _dense(q, ks, vs, 0.25)).abs().max().item()
+    tol = 1e-4 if dtype == torch.float32 else 4e-3
+    assert err < tol, f"v1, H={H}, Hkv={Hkv}, block_size={bs}, {dtype}, lengths {lens}: max |diff| {err:.1e} against " \
+                      "dense attention (length 1, exact block multiples, the partly full last block, GQA head mapping)"
 ### END HIDDEN TESTS
 """),
 md(r"""
-## 7. Measure: repetition and diversity
+## Problem 3: v2: several blocks per iteration (3 points)
 
-Now the four ways to choose a token, on the same prompts, with the same number of new tokens:
-greedy, beam search (4 beams), nucleus sampling (temperature 0.7, top-p 0.9) and pure sampling
-(temperature 1, no truncation). Sampling runs several times per prompt (seeded, so you can rerun it).
-For every text: repetition and distinct-2 within it. For each prompt: distinct-2 pooled over its
-texts (how much the texts differ from each other; greedy and beam give the same text every time),
-and the model's mean log-probability of the tokens it produced (how likely it finds its own text).
+v1 runs one loop iteration per block. A GPU program that loads only `BLOCK_SIZE` (16) keys per
+iteration keeps too little data in flight to hide memory latency; the interpreter, which pays a fixed
+cost per iteration, is even slower. v2 covers `BLOCKS_PER_ITER` blocks per iteration: a tile of
+`TILE = BLOCKS_PER_ITER * BLOCK_SIZE` token positions. Each position `pos` of the tile has its own
+logical block `pos // BLOCK_SIZE` and offset `pos % BLOCK_SIZE`, so the tile first loads a vector of
+`TILE` block ids from the table (masked: past the sequence's last block the table holds padding, or
+the next row), then gathers keys and values through them. The online softmax is unchanged.
+
+**Deliverable:** the body of `paged_attention_v2_kernel`; `paged_attention_v2` (given) launches it
+with `BLOCKS_PER_ITER = 4` by default.
 """),
-code(r"""
-import numpy as np
-import matplotlib.pyplot as plt
+solution("paged_attention_v2", r'''
+@triton.jit
+def paged_attention_v2_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                              scale, max_blocks,
+                              H: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                              BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr):
+    """Like v1, over BLOCKS_PER_ITER blocks (a tile of BLOCKS_PER_ITER * BLOCK_SIZE positions) per iteration."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    TILE: tl.constexpr = BLOCKS_PER_ITER * BLOCK_SIZE
+    ### BEGIN SOLUTION
+    ctx = tl.load(context_lens_ptr + seq)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    j = tl.arange(0, TILE)
+    head = kv_head * GROUP + g
+    head_ok = g < GROUP
+    q = tl.load(q_ptr + seq * H * D + head[:, None] * D + d[None, :], mask=head_ok[:, None], other=0.0).to(tl.float32)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for it in range(0, tl.cdiv(ctx, TILE)):
+        pos = it * TILE + j                                           # (TILE,): token positions
+        valid = pos < ctx
+        block = tl.load(block_tables_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offs = (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * (H_KV * D) + kv_head * D + d[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)   # (TILE, D)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale    # (G, TILE)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + seq * H * D + head[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None])
+    ### END SOLUTION
 
-measure_texts = ["Once upon a time there was a little girl who", "I like to eat", "My trip to Yosemite was",
-                 "The best way to learn a language is"]
-n_prompts, new_tokens, n_samples = env.pick((4, 64, 8), (1, 24, 2), cpu=(4, 48, 4))
-measure_prompts = [tokenizer(t).input_ids for t in measure_texts[:n_prompts]]
 
-@torch.no_grad()
-def mean_logprob(prompt, new):
-    '''The model's mean log-probability of the new tokens, given the prompt (temperature 1).'''
-    ids = torch.tensor([prompt + new], device=dev)
-    logp = torch.log_softmax(model(ids, torch.arange(ids.shape[1], device=dev)[None])[0].float(), -1)
-    return logp[len(prompt) - 1:-1].gather(1, torch.tensor(new, device=dev)[:, None]).mean().item()
-
-strategies = {
-    "greedy": lambda ps: [[o] for o in generate(model, ps, new_tokens, greedy_pick)],
-    "beam (4)": lambda ps: [[beam_search(model, p, 4, new_tokens, 1.0)] for p in ps],
-    "T=0.7, top-p 0.9": lambda ps: sampled(ps, SamplingParams(temperature=0.7, top_p=0.9)),
-    "T=1.0, pure": lambda ps: sampled(ps, SamplingParams(temperature=1.0)),
-}
-def sampled(ps, q):
-    '''n_samples seeded texts per prompt, all in one batch.'''
-    rows = [p for p in ps for _ in range(n_samples)]
-    qs = [SamplingParams(q.temperature, q.top_k, q.top_p, q.min_p, seed=i) for i in range(len(rows))]
-    outs = sampled_generate(model, rows, qs, new_tokens)
-    return [outs[i * n_samples:(i + 1) * n_samples] for i in range(len(ps))]
-
-results = {}
-for name, run in strategies.items():
-    texts = run(measure_prompts)                              # texts[prompt] = list of token lists
-    flat = [t for per_prompt in texts for t in per_prompt]
-    results[name] = dict(
-        repetition=np.mean([repetition(t) for t in flat]), distinct2=np.mean([distinct_n([t], 2) for t in flat]),
-        pooled2=np.mean([distinct_n(per_prompt, 2) for per_prompt in texts]),
-        logprob=np.mean([mean_logprob(p, t) for p, per_prompt in zip(measure_prompts, texts) for t in per_prompt]),
-        example=tokenizer.decode(texts[0][0]))
-print(f"{len(measure_prompts)} prompts, {new_tokens} new tokens, {n_samples} samples per prompt when sampling\n")
-print(f"{'':18} {'repetition':>10} {'distinct-2':>10} {'distinct-2 across':>18} {'mean log p':>10}")
-for name, r in results.items():
-    print(f"{name:18} {r['repetition']:10.2f} {r['distinct2']:10.2f} {r['pooled2']:18.2f} {r['logprob']:10.2f}")
-print()
-for name, r in results.items():
-    print(f"{name:>18}: {measure_texts[0]}{r['example']!r}"[:220])
-
-fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-for ax, key, title in zip(axes, ("repetition", "distinct2", "logprob"),
-                          ("repeated 3-grams (lower: less looping)", "distinct-2 within a text", "mean log-prob per token")):
-    ax.bar(range(len(results)), [r[key] for r in results.values()], color=["C3", "C1", "C0", "C2"])
-    ax.set_xticks(range(len(results)), list(results), rotation=20, fontsize=8)
-    ax.set_title(title, fontsize=10); ax.grid(alpha=0.3, axis="y")
-plt.tight_layout(); plt.show()
-"""),
-md(r"""
-Read the table row by row. Which strategy repeats itself most? Beam search looks for the *most
-likely* text: compare its mean log-probability with greedy's. Keeping 4 candidates does not
-guarantee a likelier text than greedy's (a loop, once entered, is very likely, token after token),
-and the workshop warns that beam search "can still get stuck in a loop"; it is rarely used for
-open-ended chat. Sampling trades likelihood for variety: the "across" column says how much its texts
-differ from each other, while greedy and beam give one text per prompt. Pure sampling reaches
-further into tokens the model itself finds unlikely; truncation with top-p is the compromise most
-APIs default to.
-
-### The temperature experiment
-
-The workshop's experiment: the same prompt at temperatures 0.7, 1.5 and 0.00001. Thanks to
-per-request parameters, all of it runs as **one batch**: each row has its own temperature and seed.
-"""),
-code(r"""
-fox = tokenizer("The quick brown fox jumps over the").input_ids
-temps = [0.7, 1.5, 0.00001]
-reps = env.pick(3, 1)
-qs = [SamplingParams(temperature=t, seed=s) for t in temps for s in range(reps)]
-outs = sampled_generate(model, [fox] * len(qs), qs, 20)
-for q, out in zip(qs, outs):
-    print(f"T={q.temperature:<7g} seed {q.seed}: {tokenizer.decode(out)!r}")
-greedy_fox = generate(model, [fox], 20, greedy_pick)[0]
-print("\nT=0.00001 equals greedy:", all(out == greedy_fox for q, out in zip(qs, outs) if q.temperature < 1e-3))
+def paged_attention_v2(q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_iter=4):
+    return launch_paged(paged_attention_v2_kernel, q, k_cache, v_cache, block_tables, context_lens, scale,
+                        BLOCKS_PER_ITER=blocks_per_iter)
+'''),
+tests("paged_attention_v2_tests", 3, r"""
+from course.expect import expect_tensor
+case = paged_case([5, 8, 1, 30], H=9, Hkv=3, D=16, block_size=4, seed=7)
+for n in (1, 2, 4):
+    out = expect_tensor(paged_attention_v2(*case, 0.25, blocks_per_iter=n), f"paged_attention_v2(..., blocks_per_iter={n})",
+                        dtype=torch.float32, shape=(4, 9, 16), device=dev)
+    diff = (out - paged_attention(*case, 0.25)).abs().max().item()
+    assert diff < 1e-4, f"blocks_per_iter={n}: max |diff| {diff:.1e} from the reference (mask the block-table load " \
+                        "and the positions past context_len)"
+### BEGIN HIDDEN TESTS
+""" + HIDDEN_ATTENTION + r"""
+for H, Hkv, bs, n, dtype, seed in ((4, 4, 4, 2, torch.float32, 1), (8, 2, 8, 4, torch.float16, 2), (4, 1, 2, 8, torch.float32, 3),
+                                   (9, 3, 16, 2, torch.float16, 4), (6, 3, 4, 4, torch.float32, 5)):
+    lens = [1, bs, 2 * bs + 1, n * bs, n * bs + 1, 3 * n * bs - 1]
+    q, kcache, vcache, bt, cl, ks, vs = _paged_case(lens, H, Hkv, 16, bs, dtype, seed)
+    out = expect_tensor(paged_attention_v2(q, kcache, vcache, bt, cl, 0.25, blocks_per_iter=n), f"paged_attention_v2 ({dtype})",
+                        dtype=dtype, shape=tuple(q.shape), device=dev)
+    err = (out.cpu().double() - _dense(q, ks, vs, 0.25)).abs().max().item()
+    tol = 1e-4 if dtype == torch.float32 else 4e-3
+    assert err < tol, f"v2, H={H}, Hkv={Hkv}, block_size={bs}, blocks_per_iter={n}, {dtype}: max |diff| {err:.1e} " \
+                      "against dense attention (mask the block-table load and the positions past context_len)"
+### END HIDDEN TESTS
 """),
 md(r"""
-A temperature of 0.00001 multiplies every logit by 100,000: the gap between the top two tokens becomes
-so large that the top one gets all of the probability, and sampling turns into greedy decoding. At
-1.5 the tail gains, and the text drifts. Sweep the temperature and measure both sides of the trade:
+### The check: every version against the reference
+
+As in llm.c's `dev/cuda` files: run each version on the same inputs and print its largest difference
+from the reference, over fp32 and fp16, MHA (`Hkv = H`), GQA and MQA (`Hkv = 1`), ragged lengths
+including 1 and exact multiples of the block size.
 """),
 code(r"""
-sweep = env.pick([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0], [0.5, 1.5], cpu=[0.25, 0.5, 0.75, 1.0, 1.5, 2.0])
-per_t = env.pick(8, 2, cpu=4)
-qs = [SamplingParams(temperature=t, seed=s) for t in sweep for s in range(per_t)]
-outs = sampled_generate(model, [fox] * len(qs), qs, 20)                  # one batch, every temperature
-pooled, logps = [], []
-for i, t in enumerate(sweep):
-    texts = outs[i * per_t:(i + 1) * per_t]
-    pooled.append(distinct_n(texts, 2))
-    logps.append(np.mean([mean_logprob(fox, o) for o in texts]))
-    print(f"T={t:4}: distinct-2 across {per_t} samples {pooled[-1]:.2f}, mean log-prob per token {logps[-1]:6.2f}")
-fig, ax1 = plt.subplots(figsize=(6, 3.2))
-ax1.plot(sweep, pooled, "o-", color="C0"); ax1.set_ylabel("distinct-2 across samples", color="C0")
-ax2 = ax1.twinx(); ax2.plot(sweep, logps, "s-", color="C3"); ax2.set_ylabel("mean log-prob per token", color="C3")
-ax1.set_xlabel("temperature"); ax1.grid(alpha=0.3); ax1.set_title("Temperature: diversity against likelihood")
-plt.tight_layout(); plt.show()
+versions = {"v1": paged_attention_v1, "v2 (2 blocks/iter)": lambda *a: paged_attention_v2(*a, blocks_per_iter=2),
+            "v2 (4 blocks/iter)": paged_attention_v2}
+print(f"{'case':<34}" + "".join(f"{name:>20}" for name in versions))
+table = env.pick([(4, 4, 8, torch.float32), (9, 3, 4, torch.float32), (8, 1, 16, torch.float32),
+                   (9, 3, 4, torch.float16), (8, 1, 16, torch.float16)], [(9, 3, 4, torch.float32), (8, 1, 16, torch.float16)])
+for H, Hkv, bs, dtype in table:
+    lens = [1, bs, 2 * bs + 3, 3 * bs]
+    case = paged_case(lens, H, Hkv, D=16, block_size=bs, dtype=dtype, seed=bs)
+    ref = paged_attention(*case, 0.25).float()
+    name = f"H={H} Hkv={Hkv} bs={bs} {str(dtype)[6:]}"
+    print(f"{name:<34}" + "".join(f"{(fn(*case, 0.25).float() - ref).abs().max().item():>20.1e}" for fn in versions.values()))
 """),
 md(r"""
-Diversity climbs with the temperature and the model's own confidence in the text falls: there is
-no free setting, only a choice of where to sit on this curve.
+### Will it compile for a GPU?
 
+The interpreter accepted your kernels; a GPU compiler is stricter. `course.kernels.compile_for_gpu`
+compiles a kernel for a GPU target that this machine does not need to have (sm_75 is a T4, sm_80 an
+A100), in a separate process without the interpreter. On a T4 use fp16: it has no bf16. Each
+compilation takes a few seconds.
+"""),
+code(r"""
+from course.kernels import compile_for_gpu, kernel_source
+
+def paged_signature(dtype, extra=()):
+    p = f"*{dtype}"
+    sig = {"out_ptr": p, "q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "block_tables_ptr": "*i32",
+           "context_lens_ptr": "*i32", "scale": "fp32", "max_blocks": "i32", "H": "constexpr", "H_KV": "constexpr",
+           "GROUP": "constexpr", "GROUP_PAD": "constexpr", "BLOCK_SIZE": "constexpr", "D": "constexpr"}
+    return {**sig, **{name: "constexpr" for name in extra}}
+
+smollm2 = dict(H=9, H_KV=3, GROUP=3, GROUP_PAD=4, BLOCK_SIZE=16, D=64)
+source = kernel_source(paged_attention_v1_kernel, paged_attention_v2_kernel)
+checks = env.pick([("v1", 75, "fp16"), ("v1", 80, "fp32"), ("v2", 75, "fp16"), ("v2", 80, "fp32")], [])
+if not checks:
+    print("skipped in quick mode: each compilation takes seconds (tests/test_paged_kernels.py compiles the solutions)")
+for version, arch, dtype in checks:
+    name = f"paged_attention_{version}_kernel"
+    extra = {"BLOCKS_PER_ITER": 4} if version == "v2" else {}
+    error = compile_for_gpu(source, name, paged_signature(dtype, extra), {**smollm2, **extra}, archs=(arch,))[arch]
+    print(f"{version} for sm_{arch} ({dtype}):", "compiles" if error is None else f"FAILS\n{error}")
+"""),
+md(r"""
+### Timing
+
+On a GPU: `triton.testing.do_bench` (it warms up, synchronizes and takes the median) for your
+PyTorch reference, v1, v2, and, for scale, PyTorch's fused SDPA on keys and values that were
+already gathered into a contiguous tensor (the gather itself not counted, so this is a floor for the
+attention math, not an equal competitor). On a CPU: one `time.perf_counter` run of each version in
+the interpreter, on a small case. **Interpreter time is not performance**: it counts program-iterations
+(each costs milliseconds in NumPy), which is why fewer, larger iterations win there.
+"""),
+code(r"""
+import torch.nn.functional as F
+
+if env.gpu:
+    lens = [1024] * 32
+    case = paged_case(lens, H=cfg.n_head, Hkv=cfg.n_kv_head, D=cfg.head_dim, block_size=16, dtype=torch.float16)
+    q, k_cache, v_cache, tables, lengths = case
+    kd = torch.stack([k_cache[tables[b].long()].reshape(-1, cfg.n_kv_head, cfg.head_dim)[:1024] for b in range(len(lens))])
+    vd = torch.stack([v_cache[tables[b].long()].reshape(-1, cfg.n_kv_head, cfg.head_dim)[:1024] for b in range(len(lens))])
+    kd = kd.transpose(1, 2).repeat_interleave(cfg.group_size, 1); vd = vd.transpose(1, 2).repeat_interleave(cfg.group_size, 1)
+    scale = cfg.head_dim ** -0.5
+    timed = {"PyTorch reference (gather)": lambda: paged_attention(*case, scale),
+             "Triton v1": lambda: paged_attention_v1(*case, scale),
+             "Triton v2 (4 blocks/iter)": lambda: paged_attention_v2(*case, scale),
+             "SDPA on pre-gathered K/V": lambda: F.scaled_dot_product_attention(q[:, :, None], kd, vd, scale=scale)}
+    ms = {name: triton.testing.do_bench(fn) for name, fn in timed.items()}
+    kv_bytes = 2 * sum(lens) * cfg.n_kv_head * cfg.head_dim * 2
+    for name, t in ms.items():
+        print(f"{name:>28}: {t * 1e3:8.1f} us   ({kv_bytes / (t * 1e-3) / 1e9:6.0f} GB/s of K/V read)")
+else:
+    lens = env.pick([256] * 4, [32, 32], cpu=[256] * 4)
+    case = paged_case(lens, H=cfg.n_head, Hkv=cfg.n_kv_head, D=cfg.head_dim, block_size=16)
+    timed = {"PyTorch reference": lambda: paged_attention(*case, 0.125), "Triton v1 (interpreter)": lambda: paged_attention_v1(*case, 0.125),
+             "Triton v2 (interpreter)": lambda: paged_attention_v2(*case, 0.125)}
+    interp = {}
+    for name, fn in timed.items():
+        start = time.perf_counter(); fn(); interp[name] = time.perf_counter() - start
+        print(f"{name:>26}: {interp[name] * 1e3:8.1f} ms   (interpreter time, not performance)")
+    print(f"{len(lens)} sequences x {cfg.n_kv_head} KV heads = {len(lens) * cfg.n_kv_head} programs; "
+          f"v1 runs {len(lens) * cfg.n_kv_head * (lens[0] // 16)} program-iterations, v2 {len(lens) * cfg.n_kv_head * -(-lens[0] // 64)}")
+"""),
+md(r"""
+### Your kernels in the engine
+
+On a GPU, the engine runs with your Triton kernels in place of the PyTorch functions, and must give
+the same tokens. In the interpreter a forward pass would launch one slow program per token, layer
+and head, so on a CPU this cell only says so.
+"""),
+code(r"""
+if env.gpu:
+    texts = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
+             "def fibonacci(n):", "The three primary colors are", "My trip to Yosemite was", "The quick brown fox"]
+    n_req, new_tokens, B = 16, 48, 8
+    def workload():
+        return [Request(i, tokenizer(texts[i % len(texts)]).input_ids, new_tokens) for i in range(n_req)]
+    max_len = max(len(r.prompt) for r in workload()) + new_tokens
+    n_blocks = B * -(-max_len // 16)
+    contiguous_generate(model, workload()[:2], 2, max_len)                          # warm-up
+    runs = {"contiguous (slots)": contiguous_generate(model, workload(), B, max_len),
+            "paged (PyTorch reference)": paged_generate(model, workload(), B, n_blocks, 16),
+            "paged (your Triton v2)": paged_generate(model, workload(), B, n_blocks, 16,
+                                                     attention=paged_attention_v2, write_kv=store_kv)}
+    print(f"{n_req} requests x {new_tokens} tokens, batches of {B}, {env.dtype} on {torch.cuda.get_device_name(0)}")
+    print("same tokens as the contiguous engine:", runs["paged (your Triton v2)"].outputs == runs["contiguous (slots)"].outputs,
+          "" if env.dtype == torch.float32 else f"({env.dtype}: a near-tie can part them)")
+    for name, run in runs.items():
+        print(f"{name:>28}: {run.throughput:6.1f} tokens/s")
+else:
+    print("skipped: no GPU here. In the interpreter the engine would take minutes per step; the kernels were checked above.")
+"""),
+md(r"""
 ## Summary
 
-- The sampler turns the last logits of every row into one token per row, and it is where a
-  request's sampling settings take effect.
-- **Temperature** divides the logits: below 1 it sharpens, above 1 it flattens; 0 means greedy.
-- **Truncation** removes tokens before the draw: **top-k** keeps the `k` best logits (ties included),
-  **top-p** the smallest top set reaching mass `p` (the crossing token included), **min-p** every token
-  at least `min_p` times as likely as the top one. Survivors are renormalized.
-- The **order** matters: temperature first, then truncation (vLLM: min-p, top-k, top-p; HF: top-k, top-p, min-p).
-- A batch holds **per-request settings** and **one generator per seeded request**, so a seed gives
-  the same text in any batch.
-- **Beam search** keeps `K` beams, ranks finished sequences by `sum log p / L^alpha`, and usually finds
-  likelier text than greedy (not always); likely text is not the same as good, varied text.
+- A Triton kernel is the work of one **program**; a **grid** of programs runs in parallel, each finding
+  its share from `tl.program_id`. Programs load and store tiles, and **masks** switch off the lanes
+  outside the data: past a sequence's length, padded heads, a negative slot.
+- The paged decode kernel runs one program per (sequence, KV head), serves a whole GQA group with one
+  read of each key, keeps an **online softmax** across blocks, and masks everything past the context.
+- Covering several blocks per iteration keeps more memory traffic in flight (and pays the interpreter's
+  per-iteration cost fewer times).
+- Check every version against a reference, over dtypes, head layouts and ragged lengths; compile for
+  the GPUs you do not have; time with the GPU's clock, and compare bytes moved with the bandwidth.
 
-**Questions** (from the workshop's decoding strategies, and a few more)
-1. Why does greedy decoding start repeating itself? Use your repetition numbers for its two halves.
-2. "Greedy misses high-probability words hidden behind low-probability words." Compare the mean
-   log-probability of your greedy and beam texts. When can beam search beat greedy on likelihood?
-3. Top-k: how would you decide `k`? Use the survivor counts of top-p 0.9 on the three prompts to say
-   why top-p adapts and top-k does not.
-4. Why must temperature come before top-p? What would a temperature slider do to the survivors if
-   top-p read the temperature-1 distribution?
-5. Top-p with (0.5, 0.3, 0.2) and `p = 0.6`: which tokens survive, and why is the crossing token kept?
-6. Why does each seeded request need its own generator? What goes wrong under continuous batching
-   (lab 04) if a whole batch draws from one?
-7. Temperature 0.00001 gave the greedy text. Why does vLLM treat temperature 0 as a separate,
-   greedy path instead of dividing by a tiny number?
-8. How would you run beam search inside a server that batches many requests? What does each beam
-   cost in KV-cache memory, and how do shared prefix blocks (lab 05) reduce that cost?
+**Questions**
+1. Your v1 kernel loads each key once per KV head, not once per query head. By how much does that cut
+   the bytes read for SmolLM2 (9 query heads, 3 KV heads)?
+2. What does each mask in your kernels protect against? Remove one at a time and rerun the check.
+3. How many programs does v1 launch for 32 sequences on SmolLM2? An H100 has 132 streaming
+   multiprocessors: is that enough to keep them busy? What about 4 sequences of 8,000 tokens?
 
 ## Going further
 
-- **vLLM**'s V1 sampler (`vllm/v1/sample/`) takes the greedy rows' argmax first, then applies
-  temperature, min-p, top-k and top-p on tensors that hold every request's settings. For the draw it
-  divides the probabilities by exponential noise and takes the argmax (the exponential race, same
-  distribution as `multinomial`), with per-request generators for seeded requests. It also
-  implements penalties (repetition, frequency, presence), logprobs and logit bias.
-- **FlashInfer**'s sampling kernels find top-k and top-p survivors by rejection sampling, without
-  sorting the vocabulary, a large saving for vocabularies of 100k+ tokens.
-- **Structured output** (xgrammar, Outlines, llguidance) is a logits processor too: a grammar masks
-  every token that would break the JSON schema before the draw.
-- **Beam search** in engines: vLLM runs it as a loop over its engine (`LLM.beam_search`), sharing
-  prefix blocks between beams; HF `generate` implements the algorithm you matched, with
-  `early_stopping` variants and diverse and constrained beam search.
-- Papers: Holtzman et al., *The Curious Case of Neural Text Degeneration* (top-p, repetition of
-  likely text); Fan et al., *Hierarchical Neural Story Generation* (top-k); Nguyen et al., *Turning
-  Up the Heat: Min-p Sampling for Creative and Coherent LLM Outputs*; Li et al., *A
-  Diversity-Promoting Objective Function for Neural Conversation Models* (distinct-n); Wu et al.,
-  *Google's Neural Machine Translation System* (the length penalty). Speculative decoding (lab 07)
-  adds one more sampler: it must draw from exactly the target model's distribution.
+- **FlashDecoding / split-KV**: for long contexts and few sequences, `(sequence, head)` programs are too
+  few to fill a GPU; splitting the context across programs and merging their partial softmaxes fixes it
+  (vLLM's "PagedAttention v2" kernel does this).
+- **vLLM**'s first CUDA kernel, like your v1, gave each thread group a block at a time; its V1 engine
+  moved to a single *unified* Triton attention over mixed prefill and decode batches.
+- **FlashInfer** and **FlashAttention**'s paged KV support: the kernels most engines now call.
+- Triton's tutorials (`06-fused-attention.py`): the same online softmax, with `tl.dot` on tiles.
 """),
 ]
 
-write_notebook("labs/06_sampling/06_sampling.ipynb", cells + [md(CHECK_YOUR_WORK)])
-print("wrote labs/06_sampling/06_sampling.ipynb")
+write_notebook("labs/06_triton_kernels/06_triton_kernels.ipynb", cells + [md(CHECK_YOUR_WORK)])
+print("wrote labs/06_triton_kernels/06_triton_kernels.ipynb")

@@ -5,83 +5,80 @@
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
-# Tiny Llama decoders for the hidden tests: fast, with peaked distributions (weights ~ N(0, 0.3^2)).
-# `_perturbed` is a draft that agrees with its target part of the time.
-HIDDEN_TINY = r'''
-import dataclasses as _dc
-from course.models import Decoder as _Decoder
-def _tiny(seed, V=40, layers=2):
-    cfg = course.ModelConfig(family="llama", vocab_size=V, n_layer=layers, n_head=4, n_kv_head=2, d_model=32,
-                             d_ff=64, max_seq_len=256)
-    g = torch.Generator().manual_seed(seed)
-    m = _Decoder(cfg).eval()
-    with torch.no_grad():
-        for prm in m.parameters():
-            prm.copy_(torch.randn(prm.shape, generator=g) * 0.3)
-    return m
-def _perturbed(m, seed, scale=0.08):
-    d = _Decoder(m.cfg).eval()
-    d.load_state_dict(m.state_dict())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for prm in d.parameters():
-            prm.add_(torch.randn(prm.shape, generator=g) * scale)
-    return d
-@torch.no_grad()
-def _full_logits(m, seq):
-    # reference: the whole sequence through the plain model, no cache: (T, V)
-    ids = torch.tensor([list(seq)], device=m.device)
-    return m(ids, torch.arange(len(seq), device=m.device)[None])[0]
-@torch.no_grad()
-def _fresh_cache(m, seq, max_len=256):
-    # reference: a cache built from seq alone, in one pass
-    c = SlotKVCache(m.cfg, n_slots=1, max_len=max_len, device=m.device)
-    if len(seq):
-        forward_cached(m, torch.tensor([list(seq)], device=m.device), torch.arange(len(seq), device=m.device)[None],
-                       c, torch.zeros(1, dtype=torch.long, device=m.device))
-    return c
-def _same_cache(c, seq_len, ref, what):
-    # c must hold exactly the first seq_len positions, equal to the reference cache
-    n = int(c.lengths[0])
-    assert n == seq_len, f"{what}: the cache holds {n} positions, expected {seq_len}"
-    assert not c.valid[0, n:].any(), f"{what}: positions from {n} on must be marked invalid after a rollback"
-    assert c.valid[0, :n].all(), f"{what}: the first {n} positions must be valid"
-    assert torch.allclose(c.k[:, 0, :, :n], ref.k[:, 0, :, :n], atol=1e-4), f"{what}: stored keys differ from a cache built from the kept tokens alone"
-    assert torch.allclose(c.v[:, 0, :, :n], ref.v[:, 0, :, :n], atol=1e-4), f"{what}: stored values differ"
+# The independent reference of the hidden tests: the kept set and final probabilities of one row,
+# in float64 with plain Python loops, following vLLM's order (temperature, min-p, top-k, top-p).
+HIDDEN_REFERENCE = r'''
+import math as _math
+def _ref_probs(z, t=1.0, k=0, p=1.0, m=0.0):
+    # z: one row of logits (list of floats) -> {token: probability} over the survivors
+    V = len(z)
+    if t == 0:
+        best = max(range(V), key=lambda i: z[i])
+        return {best: 1.0}
+    x = [v / t for v in z]
+    def soft(keep):
+        top = max(x[i] for i in keep)
+        e = {i: _math.exp(x[i] - top) for i in keep}
+        s = sum(e.values())
+        return {i: e[i] / s for i in keep}
+    keep = set(range(V))
+    if m > 0:
+        pr = soft(keep)
+        keep = {i for i in keep if pr[i] >= m * max(pr.values())}
+    if 0 < k < len(keep):
+        kth = sorted((x[i] for i in keep), reverse=True)[k - 1]
+        keep = {i for i in keep if x[i] >= kth}
+    if p < 1:
+        pr = soft(keep)
+        above, kept = 0.0, set()
+        for i in sorted(keep, key=lambda i: -pr[i]):
+            if above < p:
+                kept.add(i)
+            above += pr[i]
+        keep = kept
+    return soft(keep)
+def _kept(row):
+    # the surviving (finite) token ids of one row, (V,) or (1, V)
+    return set(torch.nonzero(torch.isfinite(row.reshape(-1))).flatten().tolist())
 '''.strip("\n")
 
-# Chi-square with 4 degrees of freedom (5 categories): its tail has a closed form, so no scipy.
-HIDDEN_CHI2 = r'''
-import math as _math
-def _chi2_pvalue(counts, probs):
-    # Pearson's statistic for observed counts against probabilities; P(chi2_4 >= x) = exp(-x/2) (1 + x/2)
-    counts = torch.as_tensor(counts, dtype=torch.float64)
-    probs = torch.as_tensor(probs, dtype=torch.float64)
-    assert len(counts) == 5, "self-check: the closed form below is for 5 categories"
-    expected = counts.sum() * probs
-    x = float(((counts - expected) ** 2 / expected).sum())
-    return _math.exp(-x / 2) * (1 + x / 2)
+# Tiny Llama models in transformers, and the same weights in the course's Decoder: HF generate is
+# the reference for beam search, with an EOS token the model really emits.
+HIDDEN_TINY = r'''
+from transformers import LlamaConfig as _LlamaConfig, LlamaForCausalLM as _LlamaForCausalLM
+from course.models import decoder_from_hf_state as _from_hf
+def _tiny_pair(seed, V=48):
+    torch.manual_seed(seed)
+    cfg = _LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf = _LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for prm in hf.parameters():
+            prm.copy_(torch.randn_like(prm) * 0.3)
+    return hf, _from_hf(course.ModelConfig.from_hf(hf.config), hf.state_dict())
 '''.strip("\n")
 
 cells = [
 md(r"""
-# Lab 07: Speculative decoding, several tokens per pass
+# Lab 07: Sampling, from scores to text
 
-A decode step of lab 02 moves every weight of the model from memory to produce **one** token, and
-the arithmetic units mostly wait. Lab 04 filled that idle compute with other requests (batching).
-**Speculative decoding** fills it with *guesses* for the same request: a cheap **draft** proposes
-the next few tokens, and the expensive **target** model checks all of them in **one** forward pass.
-Every guess the target agrees with is a token gained for free. The trick is in the checking rule:
-done right, the text has exactly the target's distribution (greedy: exactly the target's greedy
-text), however bad the draft. A bad draft only costs speed, never quality.
+The model gives a score to every token of its vocabulary; something else must pick one. That choice
+is the **sampler**, the last step of every decode iteration, and it shapes the text as much as the
+model does. Pick the top token every time (**greedy**) and the text is safe, and often loops.
+Pick at random from the whole distribution and it drifts into nonsense, because thousands of
+unlikely tokens together hold real probability. Between the two sit the knobs every serving API
+exposes: **temperature**, **top-k**, **top-p** and **min-p**. A server applies them per request,
+in one batch, in a fixed order, and must give the same text for the same seed whoever else is in
+the batch. **Beam search** takes another path: it keeps several candidate texts and returns the
+most likely one it finds.
 
 **You will**
-- measure that a forward pass over several tokens costs about as much as over one;
-- make the KV cache append several tokens at once and **roll back** the rejected ones;
-- write two drafters: a small model (proposes tokens one at a time) and prompt lookup (copies from the text so far, no model at all);
-- write greedy acceptance, and exact **rejection sampling** (accept with $\min(1, p/q)$, resample from $\max(0, p - q)$, and the bonus token);
-- put them together in a speculative decoding step whose greedy output equals the target's;
-- replay the steps in a trace widget, and measure acceptance rate, tokens per target pass against the formula, and the wall-time speedup for several draft lengths.
+- see greedy decoding repeat itself, and measure it (repetition and distinct-n);
+- write temperature, top-k, top-p and min-p as logits processors that work on a whole batch, each row with its own settings;
+- combine them into one batched sampler, in the order vLLM applies them, with greedy rows and one random generator per request (like vLLM's `SamplingParams(seed=...)`);
+- write beam search with a length penalty whose output equals Hugging Face `generate(num_beams=...)` on the real model;
+- explore the next-token distribution in a widget, and measure repetition and diversity of greedy, beam and sampled text, and what temperature does.
 
 **Time:** about 75 minutes. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
 used when there is one.
@@ -89,1008 +86,981 @@ used when there is one.
 locked("colab_install", COLAB_INSTALL),
 locked("setup", SETUP),
 md(r"""
-## 1. Why guessing can pay
+## 1. Greedy decoding, and what goes wrong with it
 
-The target is SmolLM2-135M, the model of every lab so far. The cell below loads it and gives two
-helpers from earlier labs: `probs(logits, temperature)` (lab 06's temperature, with 0 meaning greedy:
-all the probability on the top token) and `plain_generate`, greedy decoding with a KV cache
-(labs 03 and 04): one forward pass per new token. `plain_generate` is the baseline we must beat.
+The model and tokenizer of the earlier labs, and the engine loop of lab 04 as given code: a static
+batch (left padding, mask-derived positions, one KV-cache slot per row). One thing is new. The loop
+does not choose tokens itself: it calls `pick(logits)` with the last logits of every row, `(B, V)`,
+and appends the `(B,)` token ids it returns. `pick` is the **sampler**, the part you write today.
 """),
 locked("engine", r'''
 import torch
 from course.engine import SlotKVCache, forward_cached
-from course.timing import benchmark   # median of several runs after a warm-up, GPU synchronized
 
 tokenizer = course.load_tokenizer()
-model = course.load_model(device=env.device)   # the target
+model = course.load_model(device=env.device)
 dev = env.device
-SLOT0 = torch.zeros(1, dtype=torch.long, device=dev)   # every cache in this lab holds one sequence, in slot 0
-
-
-def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Next-token probabilities (..., V) at a temperature (lab 06); 0 means greedy: all mass on the argmax."""
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return torch.softmax(logits.float() / temperature, dim=-1)
+EOS = tokenizer.eos_token_id
 
 
 @torch.no_grad()
-def plain_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding with a KV cache: prefill, then one forward pass per new token."""
-    cache = SlotKVCache(model.cfg, n_slots=1, max_len=len(prompt) + max_new_tokens, device=model.device)
-    ids = torch.tensor([prompt], device=model.device)
-    logits = forward_cached(model, ids, torch.arange(len(prompt), device=model.device)[None], cache, SLOT0)[0, -1]
-    out = []
-    for i in range(max_new_tokens):
-        out.append(int(logits.argmax()))
-        if i + 1 < max_new_tokens:
-            pos = torch.tensor([[len(prompt) + i]], device=model.device)
-            logits = forward_cached(model, torch.tensor([[out[-1]]], device=model.device), pos, cache, SLOT0)[0, -1]
+def generate(model, prompts: list[list[int]], max_new_tokens: int, pick, eos_token_id: int | None = None,
+             pad_id: int = 0) -> list[list[int]]:
+    """Static batch (lab 04): left-pad, prefill once, then decode in lockstep. `pick(logits)` maps the
+    last logits of every row (B, V) to one new token per row (B,). A row stops after its EOS (kept)."""
+    B, T, d = len(prompts), max(len(p) for p in prompts), model.device
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):], mask[b, T - len(p):] = torch.tensor(p), 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)                               # (B, T): positions skip the pads
+    cache = SlotKVCache(model.cfg, n_slots=B, max_len=T + max_new_tokens, device=d)
+    slots = torch.arange(B, device=d)
+    logits = forward_cached(model, ids.to(d), pos.to(d), cache, slots, mask.to(d))[:, -1]   # (B, V)
+    next_pos = pos[:, -1:].to(d) + 1                                       # (B, 1)
+    out, done = [[] for _ in prompts], [False] * B
+    for step in range(max_new_tokens):
+        tokens = pick(logits)                                              # (B,): the sampler's choice
+        for b, t in enumerate(tokens.tolist()):
+            if not done[b]:
+                out[b].append(t)
+                done[b] = t == eos_token_id
+        if all(done) or step + 1 == max_new_tokens:
+            return out
+        logits = forward_cached(model, tokens.view(B, 1).to(d), next_pos, cache, slots)[:, -1]
+        next_pos = next_pos + 1
     return out
 
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)                                           # (B, V) -> (B,)
 '''),
 md(r"""
-How much more does the target pay to process several new tokens in one pass instead of one? The
-cell fills a cache with a prompt, then times one pass over `T` new tokens for a few `T`.
+Greedy decoding of a short text about food. Read it to the end.
 """),
 code(r"""
-prompt_ids = tokenizer("The history of the printing press begins in").input_ids
-sizes = env.pick([1, 2, 4, 8, 16], [1, 4], cpu=[1, 2, 4, 8])
-cost = {}
-with torch.no_grad():
-    cache = SlotKVCache(model.cfg, n_slots=1, max_len=len(prompt_ids) + 32, device=dev)
-    forward_cached(model, torch.tensor([prompt_ids], device=dev), torch.arange(len(prompt_ids), device=dev)[None], cache, SLOT0)
-    def one_pass(T):
-        cache.lengths[0] = len(prompt_ids)                    # forget the last pass: measure the same thing again
-        ids = torch.full((1, T), 100, device=dev)
-        forward_cached(model, ids, len(prompt_ids) + torch.arange(T, device=dev)[None], cache, SLOT0)
-    for T in sizes:
-        cost[T] = benchmark(lambda: one_pass(T), repeats=env.pick(5, 2), device=dev).median
-        print(f"{T:2d} new tokens in one pass: {1000 * cost[T]:6.1f} ms  ({cost[T] / cost[1]:.2f}x one token)")
+story = tokenizer("I like to eat").input_ids
+greedy_story = generate(model, [story], 64, greedy_pick)[0]
+print(tokenizer.decode(story + greedy_story))
 """),
 md(r"""
-Look at the last column. If `T` tokens cost far less than `T` times one token, a pass that checks
-several guesses is cheap, and every accepted guess saves a whole pass. (On a GPU the curve is flatter
-still: a decode step is bound by memory traffic, lab 02.) The plan, for draft length $\gamma$:
+Greedy text tends to fall into a loop: once a phrase has been written, writing it again becomes the
+most likely continuation. Two numbers make that measurable, for any list of token ids:
 
-1. the draft proposes $\gamma$ tokens $d_1 \dots d_\gamma$, one at a time (it is small, so this is cheap);
-2. the target runs **once** over the last accepted token and the $\gamma$ drafts: its $\gamma + 1$
-   rows of logits give its own distribution at every drafted position, and one more after $d_\gamma$;
-3. keep the longest prefix of drafts the target agrees with, then add **one token from the target**:
-   a correction at the first disagreement, or a **bonus** token from the extra row when all agree.
-
-So each target pass yields between 1 and $\gamma + 1$ tokens. Step 2 writes the drafts' keys and
-values into the target's cache; the rejected ones must then be **removed**.
-
-## 2. A cache that appends several tokens and rolls back
-
-Our caches are lab 04's `SlotKVCache` with one slot (slot 0): `cache.lengths[0]` is how many
-positions are written, `cache.valid[0]` marks them, and `forward_cached` writes a pass's new tokens
-at positions `lengths[0], lengths[0] + 1, ...` and advances the length. Rolling back needs no data to
-move: a position past the length is never read (the causal mask stops at the query's own position)
-and is overwritten by the next pass. So forgetting the last positions is two assignments.
-
-## Problem 1: Append and roll back (3 points)
-
-**Deliverable:** `extend(model, cache, tokens)` runs `model` over the token ids `tokens` (a list)
-in **one** `forward_cached` pass, at the positions that follow what slot 0 already holds, and returns
-their logits `(T, V)`. `rollback(cache, length)` makes slot 0 hold only its first `length` positions:
-the length goes back and the positions from `length` on are marked invalid. It raises `ValueError`
-if `length` is negative or larger than what the slot holds (a cache cannot roll forward).
+- **repetition**: the share of its 3-grams (runs of 3 tokens) that already appeared earlier in the same text;
+- **distinct-n** (Li et al., 2016): the number of *different* n-grams divided by the number of n-grams.
+  1.0 means no n-gram repeats; a text stuck in a loop scores low. Pooled over several texts written
+  for the same prompt, it also says how different those texts are from each other.
 """),
-solution("cache_ops", r'''
-def extend(model, cache: SlotKVCache, tokens: list[int]) -> torch.Tensor:
-    """Append `tokens` to slot 0 in one forward pass; their logits (T, V)."""
-    ### BEGIN SOLUTION
-    start = int(cache.lengths[0])
-    ids = torch.tensor([list(tokens)], dtype=torch.long, device=model.device)          # (1, T)
-    pos = start + torch.arange(len(tokens), device=model.device)[None]                 # (1, T): after what is cached
-    return forward_cached(model, ids, pos, cache, SLOT0.to(model.device))[0]            # (T, V)
-    ### END SOLUTION
+code(r"""
+def ngrams(tokens, n):
+    return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
 
+def distinct_n(texts: list[list[int]], n: int) -> float:
+    '''Different n-grams / all n-grams, pooled over the texts.'''
+    grams = [g for t in texts for g in ngrams(t, n)]
+    return len(set(grams)) / max(len(grams), 1)
 
-def rollback(cache: SlotKVCache, length: int) -> None:
-    """Keep only the first `length` positions of slot 0."""
+def repetition(tokens: list[int], n: int = 3) -> float:
+    '''Share of the n-grams of one text that already appeared earlier in it.'''
+    grams = ngrams(tokens, n)
+    return sum(g in set(grams[:i]) for i, g in enumerate(grams)) / max(len(grams), 1)
+
+half = len(greedy_story) // 2
+for name, part in (("first half", greedy_story[:half]), ("second half", greedy_story[half:]), ("whole", greedy_story)):
+    print(f"{name:>11}: repetition {repetition(part):.2f}, distinct-1 {distinct_n([part], 1):.2f}, "
+          f"distinct-2 {distinct_n([part], 2):.2f}")
+"""),
+md(r"""
+Compare the two halves: if the text loops, the second half repeats more than the first. The cure the
+workshop proposes is **randomness**: draw the next token from the model's distribution instead of
+always taking its top. But a raw draw from all 49,152 tokens gives the long tail of unlikely tokens
+a say, and one bad draw derails the text. The next sections build the tools that control the draw.
+
+## 2. Temperature
+
+The model's distribution for the next token is $p_i = \mathrm{softmax}(z)_i$ over its logits $z$.
+Dividing the logits by a **temperature** $\tau$ before the softmax reshapes it (lab 01):
+$\tau < 1$ widens the gaps between scores, so the top tokens gain; $\tau > 1$ narrows them, so
+the tail gains; $\tau \to 0$ puts all the mass on the top token, which is greedy decoding.
+Engines accept $\tau = 0$ and treat it as greedy; dividing by 0 itself would give `inf - inf = nan`.
+
+A server works on a **batch**: one row of logits per request, and each request asks for its own
+temperature. So every function you write in this lab takes `logits` of shape `(B, V)` and one
+setting per row, a `(B,)` tensor. They are **logits processors**: logits in, logits out, like HF's
+`LogitsProcessor` classes and the functions in vLLM's sampler.
+
+## Problem 1: Temperature (2 points)
+
+**Deliverable:** `apply_temperature(logits, temperature)` takes `logits` `(B, V)` and `temperature`
+`(B,)` and returns new logits `(B, V)`: row `b` divided by `temperature[b]`, except rows whose
+temperature is 0, which are returned unchanged (they are greedy: the sampler takes their argmax).
+It raises `ValueError` if a temperature is negative, and never modifies its input.
+"""),
+solution("temperature", r'''
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Row b divided by temperature[b]; rows at temperature 0 (greedy) unchanged."""
     ### BEGIN SOLUTION
-    held = int(cache.lengths[0])
-    if not 0 <= length <= held:
-        raise ValueError(f"length must be in 0..{held} (what slot 0 holds), got {length}")
-    cache.lengths[0] = length
-    cache.valid[0, length:] = False
+    t = torch.as_tensor(temperature, dtype=logits.dtype, device=logits.device)
+    if (t < 0).any():
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {t.tolist()}")
+    t = torch.where(t == 0, torch.ones_like(t), t)       # greedy rows: divide by 1
+    return logits / t[:, None]                           # (B, V) / (B, 1)
     ### END SOLUTION
 '''),
-tests("cache_ops_tests", 3, r"""
-with torch.no_grad():
-    seq = tokenizer("Speculative decoding checks many tokens at once").input_ids
-    full = model(torch.tensor([seq], device=dev), torch.arange(len(seq), device=dev)[None])[0]   # (T, V), no cache
-    c = SlotKVCache(model.cfg, n_slots=1, max_len=32, device=dev)
-    a = extend(model, c, seq[:4])
-    b = extend(model, c, seq[4:])
-assert a.shape == (4, model.cfg.vocab_size), f"extend returns one row of logits per token: expected (4, V), got {tuple(a.shape)}"
-assert int(c.lengths[0]) == len(seq), "after two extends the slot holds every token"
-assert torch.allclose(b, full[4:], atol=1e-3), "the second extend must continue at position 4: logits differ from the uncached model"
-rollback(c, 3)
-assert int(c.lengths[0]) == 3 and c.valid[0].sum() == 3, "after rollback(cache, 3) the slot holds exactly 3 valid positions"
-with torch.no_grad():
-    again = extend(model, c, seq[3:6])
-    ref = SlotKVCache(model.cfg, n_slots=1, max_len=32, device=dev)
-    ref_logits = extend(model, ref, seq[:6])
-assert torch.allclose(again, ref_logits[3:], atol=1e-3), "after a rollback, new tokens must see only the kept ones"
-assert torch.allclose(c.k[:, 0, :, :6], ref.k[:, 0, :, :6], atol=1e-4), "the rolled-back cache must equal one built from the kept tokens"
-for bad in (-1, 7):
-    try:
-        rollback(c, bad)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError(f"rollback(cache, {bad}) with 6 positions held must raise ValueError")
+tests("temperature_tests", 2, r"""
+z = torch.tensor([[1.0, 2.0, 4.0], [1.0, 2.0, 4.0], [0.0, -3.0, 3.0]])
+out = apply_temperature(z, torch.tensor([0.5, 2.0, 0.0]))
+assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
+assert torch.allclose(out[0], torch.tensor([2.0, 4.0, 8.0])), "row 0 at temperature 0.5: every logit doubles"
+assert torch.allclose(out[1], torch.tensor([0.5, 1.0, 2.0])), "row 1 at temperature 2: every logit halves"
+assert torch.equal(out[2], z[2]), "temperature 0 means greedy: the row stays as it is (no division by 0)"
+assert torch.equal(z[0], torch.tensor([1.0, 2.0, 4.0])), "do not modify the input logits"
 ### BEGIN HIDDEN TESTS
-""" + HIDDEN_TINY + r"""
-m = _tiny(1)
-seq = [3, 17, 5, 22, 9, 31, 2, 8, 14, 27, 11]
-full = _full_logits(m, seq)
-c = SlotKVCache(m.cfg, n_slots=1, max_len=64)
-with torch.no_grad():
-    out = [extend(m, c, seq[:5])] + [extend(m, c, [t]) for t in seq[5:8]] + [extend(m, c, seq[8:])]
-assert torch.allclose(torch.cat(out), full, atol=1e-4), "extend in pieces must match the uncached model"
-_same_cache(c, len(seq), _fresh_cache(m, seq), "after extends")
-rollback(c, len(seq))
-_same_cache(c, len(seq), _fresh_cache(m, seq), "rolling back to the current length changes nothing")
-for keep, new in ((7, [4, 4, 19]), (2, [33]), (0, [1, 2, 3]), (3, [6, 7, 8, 9, 10, 12])):
-    rollback(c, keep)
-    _same_cache(c, keep, _fresh_cache(m, seq[:keep]), f"right after rollback(cache, {keep})")
-    with torch.no_grad():
-        got = extend(m, c, new)
-    seq = seq[:keep] + new
-    assert torch.allclose(got, _full_logits(m, seq)[keep:], atol=1e-4), f"after rollback to {keep}, extend gives wrong logits"
-    _same_cache(c, len(seq), _fresh_cache(m, seq), f"after rollback to {keep} and extend")
-held = int(c.lengths[0])
-for bad in (-3, held + 1):
-    try:
-        rollback(c, bad)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError(f"rollback to {bad} with {held} positions held must raise ValueError")
-assert int(c.lengths[0]) == held, "a refused rollback must leave the cache as it was"
-### END HIDDEN TESTS
-"""),
-md(r"""
-## 3. Drafters
-
-A draft must be **fast** and must **agree** with the target often. Two kinds, both offline:
-
-**A small model.** The online classic is a smaller model of the same family, with the same tokenizer
-(drafts are token ids, so the two must share a vocabulary): SmolLM2-135M drafting for SmolLM2-360M or
-1.7B, or distilgpt2 for gpt2. None of those can be downloaded here, so we cut a draft out of the
-target itself: its embeddings and its **first 4 of 30 blocks**, then the target's final norm and
-LM head. Used as they are, 4 blocks agree with the full model almost never: the last blocks turn the
-hidden state into a prediction. So the course trained a small **adapter** (two matrices, 1.2 M
-parameters) that maps the hidden state after block 4 to what block 30 would predict, and restricted
-the LM head to the 8,192 most common tokens (the head over all 49,152 tokens would cost as much as
-8 blocks). `assets/draft/train_draft.py` did the training, on the target's own text (it printed its
-time and held-out agreement; both are in the file's metadata, shown below). The draft **shares** the
-target's blocks and embeddings; its own memory is the adapter and a copy of 8,192 rows of the head.
-
-The next cell builds that draft, and also the plain early exit (4 blocks, no adapter), for comparison.
-"""),
-locked("draft_model", r'''
-import dataclasses
-import json
-from pathlib import Path
-
-import torch.nn as nn
-import torch.nn.functional as F
-from course.models import Decoder
-from course.models.decoder import RMSNorm
-
-
-class Adapter(nn.Module):
-    """h + W2 silu(W1 rmsnorm(h)), then the target's final norm: the draft's last layer."""
-
-    def __init__(self, d_model: int, hidden: int, final_norm: nn.Module, eps: float):
-        super().__init__()
-        self.norm, self.final_norm = RMSNorm(d_model, eps), final_norm
-        self.w1, self.w2 = nn.Linear(d_model, hidden, bias=False), nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, h):
-        return self.final_norm(h + self.w2(F.silu(self.w1(self.norm(h)))))
-
-
-class SubsetHead(nn.Module):
-    """The target's LM head over a subset of the vocabulary; every other token gets logit -inf."""
-
-    def __init__(self, lm_head: nn.Linear, vocab: torch.Tensor):
-        super().__init__()
-        self.register_buffer("vocab", vocab.long())
-        self.register_buffer("rows", lm_head.weight.detach()[vocab.long()].clone())   # (8192, C): the subset's rows
-        self.V = lm_head.weight.shape[0]
-
-    def forward(self, x):                                      # (B, T, C) -> (B, T, V)
-        small = x @ self.rows.T                                # (B, T, 8192): 6x cheaper than the full head
-        out = torch.full((*x.shape[:-1], self.V), float("-inf"), dtype=small.dtype, device=x.device)
-        return out.index_copy_(-1, self.vocab, small)
-
-
-def find_asset(*parts: str) -> Path | None:
-    """assets/<parts> of the course checkout, searched upward from here (None when not found)."""
-    for root in (Path.cwd(), *Path.cwd().parents):
-        if (root / "assets" / Path(*parts)).is_file():
-            return root / "assets" / Path(*parts)
-    return None
-
-
-def make_draft(target, n_layers: int = 4, weights: Path | None = None):
-    """A Decoder that runs the target's first n_layers blocks (shared weights); with `weights`, the
-    trained adapter and subset head of train_draft.py, else the target's own norm and head (early exit)."""
-    draft = Decoder.__new__(Decoder)
-    nn.Module.__init__(draft)
-    draft.cfg = dataclasses.replace(target.cfg, n_layer=n_layers)
-    draft.embed, draft.pos_embed = target.embed, target.pos_embed
-    draft.blocks = nn.ModuleList(list(target.blocks[:n_layers]))
-    draft.norm, draft.lm_head = target.norm, target.lm_head
-    if weights is not None:
-        from safetensors.torch import load_file
-        sd = load_file(weights)
-        hidden = sd["adapter.w1.weight"].shape[0]
-        draft.norm = Adapter(target.cfg.d_model, hidden, target.norm, target.cfg.norm_eps)
-        missing, unexpected = draft.norm.load_state_dict(
-            {k.removeprefix("adapter."): v.float() for k, v in sd.items() if k.startswith("adapter.")}, strict=False)
-        if unexpected or any(not k.startswith("final_norm.") for k in missing):   # final_norm is the target's own
-            raise ValueError(f"{weights} does not hold this adapter: missing {missing}, unexpected {unexpected}")
-        draft.lm_head = SubsetHead(target.lm_head, sd["vocab"])
-    return draft.to(target.device).eval()
-
-
-DRAFT_WEIGHTS = find_asset("draft", "draft.safetensors")
-early_exit = make_draft(model, 4)
-if DRAFT_WEIGHTS is None:
-    print("assets/draft/draft.safetensors not found: the draft is the plain early exit (expect few acceptances)")
-    draft, draft_name = early_exit, "early exit"
-else:
-    from safetensors import safe_open
-    with safe_open(DRAFT_WEIGHTS, "pt") as f:
-        draft_info = json.loads(f.metadata()["info"])
-    draft, draft_name = make_draft(model, draft_info["layers"], DRAFT_WEIGHTS), "trained draft"
-    print(f"trained draft: {draft_info['layers']} blocks + adapter, {draft_info['vocab']} token head; "
-          f"trained in {draft_info['seconds']['train']:.0f} s on {draft_info['train_tokens']} tokens "
-          f"(data {draft_info['seconds']['generate'] + draft_info['seconds']['teacher']:.0f} s); held-out agreement "
-          f"with the target {draft_info['agreement_trained']:.0%} (early exit: {draft_info['agreement_early_exit']:.0%})")
-'''),
-md(r"""
-The draft proposes tokens the way `plain_generate` does, one pass per token, with its own KV cache.
-Two details make it fit the target's check:
-
-- it returns, with each token, the **distribution** $q$ it drew the token from (one row per token,
-  `probs(logits, temperature)`): rejection sampling needs $q$ (at temperature 0, a one-hot row);
-- its cache may lag behind the text: after a step the text has grown by tokens the draft never saw
-  (the target's correction or bonus). So `propose` first feeds the draft every token of `seq` its
-  cache lacks, `seq[L:]` where `L = cache.lengths[0]`, in one pass, and reads the first guess from
-  the last row.
-
-## Problem 2: The draft proposes (3 points)
-
-**Deliverable:** `propose(draft, cache, seq, gamma, temperature=0.0, generator=None)` takes a draft
-model, its cache (holding the first `L` tokens of `seq`, `L < len(seq)`) and the token list `seq`,
-and returns `(tokens, q)`: `gamma` new token ids (a list) and their distributions `q`, shape
-`(gamma, V)`. Token `i` is the argmax of row `q[i]` at temperature 0, else one draw from `q[i]` with
-`torch.multinomial(q[i].cpu(), 1, generator=generator)` (the generator lives on the CPU). Each token is fed back (`extend`) so the next one
-sees it, except the last, which no one needs yet: the cache ends holding `len(seq) + gamma - 1`
-positions. Raise `ValueError` if `gamma < 1` or the cache does not hold fewer tokens than `seq`.
-"""),
-solution("propose", r'''
-@torch.no_grad()
-def propose(draft, cache: SlotKVCache, seq: list[int], gamma: int, temperature: float = 0.0,
-            generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor]:
-    """gamma draft tokens after seq, one pass each, and the distribution each came from (gamma, V)."""
-    ### BEGIN SOLUTION
-    start = int(cache.lengths[0])
-    if gamma < 1:
-        raise ValueError(f"gamma must be >= 1, got {gamma}")
-    if not start < len(seq):
-        raise ValueError(f"the draft cache holds {start} tokens; it must hold fewer than len(seq) = {len(seq)}")
-    logits = extend(draft, cache, seq[start:])[-1]                  # catch up: every token the cache lacks
-    tokens, qs = [], []
-    for i in range(gamma):
-        q = probs(logits, temperature)                              # (V,)
-        t = int(q.argmax()) if temperature == 0 else int(torch.multinomial(q.cpu(), 1, generator=generator))
-        tokens.append(t)
-        qs.append(q)
-        if i + 1 < gamma:                                           # the last guess is not fed back
-            logits = extend(draft, cache, [t])[-1]
-    return tokens, torch.stack(qs)                                  # (gamma, V)
-    ### END SOLUTION
-'''),
-tests("propose_tests", 3, r"""
-seq = tokenizer("The capital of France is Paris. The capital of Italy is").input_ids
-dc = SlotKVCache(draft.cfg, n_slots=1, max_len=64, device=dev)
-tokens, q = propose(draft, dc, seq, 4)
-assert isinstance(tokens, list) and len(tokens) == 4, f"expected a list of 4 token ids, got {tokens!r}"
-assert q.shape == (4, model.cfg.vocab_size), f"q has one row per drafted token: expected (4, V), got {tuple(q.shape)}"
-with torch.no_grad():
-    want, s = [], list(seq)
-    for _ in range(4):                                   # the draft without a cache, one token at a time
-        want.append(int(draft(torch.tensor([s], device=dev), torch.arange(len(s), device=dev)[None])[0, -1].argmax()))
-        s.append(want[-1])
-assert tokens == want, f"greedy drafts must be the draft's argmax tokens {want}, got {tokens}"
-assert torch.equal(q.argmax(-1).cpu(), torch.tensor(want)) and torch.allclose(q.sum(-1), torch.ones(4, device=q.device)), \
-    "at temperature 0 each row of q is one-hot on its token"
-assert int(dc.lengths[0]) == len(seq) + 3, f"the cache ends with len(seq) + gamma - 1 = {len(seq) + 3} positions, got {int(dc.lengths[0])}"
-rollback(dc, len(seq) + 1)                             # as after a step that kept the first draft
-again, _ = propose(draft, dc, seq + [tokens[0], 13], 2)
-assert int(dc.lengths[0]) == len(seq) + 3, "propose must first feed the tokens the cache lacks (here 1), then its drafts"
-### BEGIN HIDDEN TESTS
-""" + HIDDEN_TINY + r"""
-m = _tiny(2)
-seq = [5, 9, 1, 30, 12]
-for temperature, seed in ((0.0, None), (1.0, 3), (0.6, 4)):
-    c = SlotKVCache(m.cfg, n_slots=1, max_len=64)
-    g = torch.Generator().manual_seed(seed) if seed is not None else None
-    toks, q = propose(m, c, seq, 5, temperature, g)
-    assert len(toks) == 5 and q.shape == (5, 40), f"temperature {temperature}: expected 5 tokens and q (5, 40)"
-    for i in range(5):
-        ref = probs(_full_logits(m, seq + toks[:i])[-1], temperature)
-        assert torch.allclose(q[i].cpu(), ref.cpu(), atol=1e-4), f"temperature {temperature}: q[{i}] must be the draft's distribution after seq + tokens[:{i}]"
-        assert q[i, toks[i]] > 0, "a drafted token must have probability > 0 under its q row"
-    _same_cache(c, len(seq) + 4, _fresh_cache(m, seq + toks[:4]), f"temperature {temperature}: after propose")
-    if seed is not None:
-        g2 = torch.Generator().manual_seed(seed)
-        toks2, _ = propose(m, SlotKVCache(m.cfg, n_slots=1, max_len=64), seq, 5, temperature, g2)
-        assert toks2 == toks, "the same generator seed must give the same drafts: draw with the generator passed in"
-# sampled drafts vary: 60 one-token proposals from a flat row (temperature 5)
-m2 = _tiny(3)
-c = SlotKVCache(m2.cfg, n_slots=1, max_len=8)
-g = torch.Generator().manual_seed(0)
-seen = set()
-for _ in range(60):
-    rollback(c, 0)
-    t, _ = propose(m2, c, [1, 2], 1, 5.0, g)
-    seen.add(t[0])
-assert len(seen) > 5, "at temperature 5 the drafts must vary: draw them, do not take the argmax"
-c = SlotKVCache(m.cfg, n_slots=1, max_len=64)
-toks, _ = propose(m, c, seq, 1)
-assert int(c.lengths[0]) == len(seq), "gamma = 1: the single guess is not fed back"
-for bad in (0, -1):
-    try:
-        propose(m, SlotKVCache(m.cfg, n_slots=1, max_len=64), seq, bad)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError(f"gamma={bad} must raise ValueError")
-full_c = _fresh_cache(m, seq)
+g = torch.Generator().manual_seed(1)
+z = torch.randn(6, 50, generator=g) * 4
+t = torch.tensor([0.3, 1.0, 0.0, 1.7, 0.0, 2.5])
+keep = z.clone()
+got = apply_temperature(z, t)
+assert torch.equal(z, keep), "apply_temperature must not modify its input"
+for b in range(6):
+    want = z[b] if t[b] == 0 else z[b] / t[b]
+    assert torch.allclose(got[b], want, atol=1e-6), f"row {b}, temperature {t[b].item()}: wrong logits"
+assert torch.isfinite(got).all(), "no inf or nan: temperature-0 rows must not be divided by 0"
+p_cold, p_hot = torch.softmax(apply_temperature(z[:1], torch.tensor([0.2])), -1), torch.softmax(apply_temperature(z[:1], torch.tensor([5.0])), -1)
+assert p_cold.max() > torch.softmax(z[:1], -1).max() > p_hot.max(), "a low temperature sharpens, a high one flattens"
 try:
-    propose(m, full_c, seq, 2)
+    apply_temperature(z[:2], torch.tensor([1.0, -0.5]))
 except ValueError:
     pass
 else:
-    raise AssertionError("a cache that already holds all of seq must raise ValueError (nothing to read the next token from)")
+    raise AssertionError("a negative temperature must raise ValueError")
 ### END HIDDEN TESTS
 """),
 md(r"""
-**Prompt lookup** (Saxena, 2023; vLLM's `ngram` speculator) needs no model at all. Text often repeats
-itself: code edits copy the code, summaries quote the document, answers reuse the question's words,
-and small models loop. So: take the last few tokens of the text, find where they occurred before,
-and propose the tokens that followed them there. It costs a search through a list, nothing more.
+## 3. Truncation: top-k, top-p, min-p
 
-## Problem 3: Prompt lookup (2 points)
+Temperature alone cannot silence the tail: at $\tau = 1$ the thousands of unlikely tokens of a
+49,152-token vocabulary may together hold a fair share of the probability, so a long text will
+sooner or later draw one of them. **Truncation** removes tokens before the draw: a removed token
+gets the logit $-\infty$, so the softmax gives it probability 0 and the survivors share the rest
+(they are *renormalized*). Three rules decide who survives:
 
-**Deliverable:** `ngram_propose(seq, gamma, max_n=3)` returns up to `gamma` proposed tokens (a list,
-possibly empty). For `n = max_n, max_n - 1, ..., 1` (longest first, at most `len(seq) - 1`): look
-for the **most recent** earlier occurrence of the last `n` tokens of `seq`, one that is followed by
-at least one token (so not the suffix itself); at the first `n` that has one, return the up to
-`gamma` tokens that follow that occurrence. No occurrence for any `n`: return `[]`.
+- **top-k** (Fan et al., 2018): the `k` highest-scoring tokens. Simple, but one `k` fits no context:
+  after "The capital of France is" a few tokens deserve nearly all the mass, after "I like to eat"
+  hundreds are reasonable.
+- **top-p**, or nucleus sampling (Holtzman et al., 2020): the smallest set of top tokens whose
+  probabilities add up to at least `p`. It adapts: few survivors when the model is sure, many when
+  it is not.
+- **min-p** (Nguyen et al., 2024): every token at least `min_p` times as likely as the top token.
+
+Three details matter, and the tests check all of them:
+
+1. **Top-k and ties.** Keep every token whose logit is at least the `k`-th largest logit. When
+   several tokens tie with the `k`-th, all of them survive (more than `k` tokens), as in HF's
+   `TopKLogitsWarper` and vLLM. Keeping exactly `k` would make the survivors depend on the order
+   of the vocabulary, an accident of the tokenizer. `top_k = 0` means off, and so does any `k >= V`.
+2. **Top-p keeps the token that crosses `p`.** Sort by probability, largest first. A token
+   survives if the tokens ranked **above** it hold less than `p` in total. With probabilities 0.5,
+   0.3, 0.2 and `p = 0.6`, the first two survive: 0.5 alone is short of 0.6, and the second token is
+   the one that takes the sum past it. (Dropping every token where the running sum including itself
+   exceeds `p` is a common bug: it keeps only 0.5, less mass than asked for.) The top token always
+   survives. `top_p = 1` means off: nothing is removed, even tokens of tiny probability. (Careful:
+   a float32 running sum can reach 1.0 before the last token.)
+3. **Kept logits stay as they are**: a processor only writes $-\infty$ over removed tokens. It never
+   modifies its input.
+
+## Problem 2: Top-k (3 points)
+
+**Deliverable:** `apply_top_k(logits, top_k)` takes `logits` `(B, V)` (some may already be
+$-\infty$) and `top_k` `(B,)` integers, and returns logits where, in each row `b` with
+`0 < top_k[b] < V`, every token whose logit is below the row's `top_k[b]`-th largest logit is set to
+$-\infty$. Other rows are unchanged.
 """),
-solution("ngram", r'''
-def ngram_propose(seq: list[int], gamma: int, max_n: int = 3) -> list[int]:
-    """Up to gamma tokens that followed the most recent earlier occurrence of seq's last n tokens."""
+solution("top_k", r'''
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Per row, remove the tokens below the k-th largest logit (ties with it survive); k = 0 or k >= V: off."""
     ### BEGIN SOLUTION
-    for n in range(min(max_n, len(seq) - 1), 0, -1):
-        suffix = seq[-n:]
-        for start in range(len(seq) - n - 1, -1, -1):              # latest first; must be followed by a token
-            if seq[start:start + n] == suffix:
-                return list(seq[start + n:start + n + gamma])
-    return []
+    V = logits.shape[-1]
+    k = torch.as_tensor(top_k, dtype=torch.long, device=logits.device)
+    k = torch.where((k <= 0) | (k > V), torch.full_like(k, V), k)          # off: keep all V
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])   # (B, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
     ### END SOLUTION
 '''),
-tests("ngram_tests", 2, r"""
-assert ngram_propose([1, 2, 3, 4, 1, 2], 2) == [3, 4], "the last tokens (1, 2) occurred at the start, followed by 3, 4"
-assert ngram_propose([1, 2, 3, 9, 2, 3, 7, 2, 3], 3) == [7, 2, 3], "use the most recent earlier occurrence of (2, 3)"
-assert ngram_propose([5, 6, 7], 4) == [], "nothing repeats: no proposal"
-assert ngram_propose([1, 2, 3, 4, 9, 3, 4], 5, max_n=3) == [9, 3, 4], "at most what follows the match, up to the end of seq"
+tests("top_k_tests", 3, r"""
+z = torch.tensor([[3.0, 1.0, 2.0, 0.5], [3.0, 1.0, 2.0, 0.5]])
+out = apply_top_k(z, torch.tensor([2, 0]))
+assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
+assert torch.isinf(out[0]).tolist() == [False, True, False, True], "top_k=2 keeps the two largest logits (3.0 and 2.0)"
+assert torch.equal(out[0, [0, 2]], z[0, [0, 2]]), "kept logits stay unchanged"
+assert torch.equal(out[1], z[1]), "top_k=0 means off: the row is unchanged"
+tied = apply_top_k(torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0]]), torch.tensor([2]))
+assert torch.isinf(tied[0]).tolist() == [True, False, False, False, True], \
+    "ties: every token equal to the k-th largest logit survives (here three tokens tie at 2.0)"
 ### BEGIN HIDDEN TESTS
-assert ngram_propose([8, 1, 2, 3, 5, 7, 2, 3, 6, 4, 1, 2, 3], 2) == [5, 7], \
-    "the longest n first: (1, 2, 3) matches at index 1, though (2, 3) matches more recently"
-assert ngram_propose([8, 1, 2, 3, 5, 7, 2, 3, 6, 4, 1, 2, 3], 2, max_n=2) == [6, 4], "max_n=2: the latest (2, 3)"
-assert ngram_propose([4, 4, 4, 4], 3) == [4], "the match may overlap the suffix; it must be followed by at least one token"
-assert ngram_propose([3, 9, 9, 5, 3], 2) == [9, 9], "fall back to n=1 when no longer n-gram repeats"
-assert ngram_propose([7], 3) == [] and ngram_propose([], 3) == [], "too short to match"
-assert ngram_propose([1, 2, 1, 2, 1, 2], 10, max_n=2) == [1, 2], "latest occurrence of (1, 2) is at index 2: followed by 1, 2"
-assert ngram_propose([1, 2, 3, 1, 2, 3, 1], 1) == [2], "gamma limits the proposal"
-assert ngram_propose([6, 2, 6], 3, max_n=1) == [2, 6], "n=1: the 6 at index 0 is followed by 2, 6"
-seq = [11, 12, 13, 14, 15, 16, 11, 12, 13, 99]
-assert ngram_propose(seq, 3) == [], "99 never occurred before: no n-gram ending with it"
+""" + HIDDEN_REFERENCE + r"""
+g = torch.Generator().manual_seed(2)
+z = torch.randn(5, 40, generator=g) * 3
+keep = z.clone()
+ks = torch.tensor([1, 7, 0, 40, 55])
+got = apply_top_k(z, ks)
+assert torch.equal(z, keep), "apply_top_k must not modify its input"
+for b, k in enumerate(ks.tolist()):
+    want = set(range(40)) if k <= 0 or k >= 40 else set(torch.argsort(z[b], descending=True)[:k].tolist())
+    assert _kept(got[b]) == want, f"row {b}, top_k={k}: wrong survivors"
+    assert torch.equal(got[b][list(want)], z[b][list(want)]), "kept logits must stay unchanged"
+ties = torch.tensor([[5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0], [5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0],
+                     [5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]])
+got = apply_top_k(ties, torch.tensor([1, 3, 5, 2]))
+assert _kept(got[0]) == {0, 2}, "top_k=1 with two tokens tied at the top: both survive"
+assert _kept(got[1]) == {0, 2, 3, 4, 5}, "top_k=3: the 3rd largest is 3.0, and every token at 3.0 survives"
+assert _kept(got[2]) == {0, 2, 3, 4, 5}, "top_k=5: exactly the tokens down to the 5th largest"
+assert _kept(got[3]) == set(range(7)), "all logits equal: every token ties with the k-th and survives"
+masked = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf"), 2.0]])
+assert _kept(apply_top_k(masked, torch.tensor([4]))) == {0, 2, 4}, "tokens already at -inf stay removed"
+assert _kept(apply_top_k(masked, torch.tensor([2]))) == {2, 4}
 ### END HIDDEN TESTS
 """),
 md(r"""
-Both drafters get the same interface, so the loop does not care which one it has: `propose(seq,
-gamma, temperature, generator)` returns `(tokens, q)`, and `keep(n)` tells the drafter that only the
-first `n` tokens of the text are still valid (a model drafter rolls its cache back to at most `n`
-positions; prompt lookup has nothing to forget). Prompt lookup is certain of its guesses: its `q`
-rows are one-hot. It may also propose fewer than `gamma` tokens, or none.
+## Problem 3: Top-p (3 points)
+
+**Deliverable:** `apply_top_p(logits, top_p)` takes `logits` `(B, V)` (some may already be
+$-\infty$) and `top_p` `(B,)` in `(0, 1]`, and returns logits where, in each row with
+`top_p[b] < 1`, every token is set to $-\infty$ unless the tokens more probable than it (by the
+softmax of that row) hold less than `top_p[b]` in total. Rows with `top_p[b] == 1` are unchanged.
+Raise `ValueError` for a `top_p` outside `(0, 1]`.
 """),
-locked("drafters", r'''
-class ModelDrafter:
-    """A draft model with its own KV cache (slot 0)."""
-
-    def __init__(self, draft_model, name: str = "draft model"):
-        self.model, self.name, self.cache = draft_model, name, None
-
-    def start(self, max_len: int) -> None:
-        self.cache = SlotKVCache(self.model.cfg, n_slots=1, max_len=max_len, device=self.model.device)
-
-    def propose(self, seq, gamma, temperature=0.0, generator=None):
-        return propose(self.model, self.cache, seq, gamma, temperature, generator)
-
-    def keep(self, n: int) -> None:
-        rollback(self.cache, min(n, int(self.cache.lengths[0])))
-
-
-class NgramDrafter:
-    """Prompt lookup: no model, no cache."""
-
-    def __init__(self, vocab_size: int, max_n: int = 3, name: str = "prompt lookup"):
-        self.V, self.max_n, self.name = vocab_size, max_n, name
-
-    def start(self, max_len: int) -> None:
-        pass
-
-    def propose(self, seq, gamma, temperature=0.0, generator=None):
-        tokens = ngram_propose(seq, gamma, self.max_n)
-        q = torch.zeros(len(tokens), self.V)
-        q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0   # certain: one-hot rows
-        return tokens, q
-
-    def keep(self, n: int) -> None:
-        pass
-'''),
-md(r"""
-## 4. The target's check
-
-The target's pass over `[last token, d_1, ..., d_γ]` gives `γ + 1` rows of logits. Row `i` is the
-target's prediction for the position of `d_{i+1}`; the last row predicts the token after `d_γ`.
-
-**Greedy.** The target would have written its argmax at every position. So `d_1` is right if it
-equals row 0's argmax; if so, row 1 was computed on the right text and checks `d_2`; and so on. At
-the first mismatch, the target's own argmax at that row replaces the draft, and everything after is
-discarded (it was conditioned on a wrong token). If all `γ` match, row `γ` gives one more token: the
-**bonus**. The output is the target's greedy text, token for token, whatever the draft proposed.
-
-## Problem 4: Greedy acceptance (2 points)
-
-**Deliverable:** `verify_greedy(logits, drafted)` takes the target's rows `logits` `(g + 1, V)` and
-the `g` drafted tokens (`g` may be 0) and returns `(n, token)`: `n`, the number of drafts accepted
-(the longest prefix where each draft equals its row's argmax), and `token`, the argmax of row `n`
-(the correction, or the bonus when `n == g`). Raise `ValueError` unless `logits` has `g + 1` rows.
-"""),
-solution("verify_greedy", r'''
-def verify_greedy(logits: torch.Tensor, drafted: list[int]) -> tuple[int, int]:
-    """Accept the drafts that match the target's argmax; then the target's own token (correction or bonus)."""
+solution("top_p", r'''
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, keep the most probable tokens until their mass reaches top_p (the crossing token too)."""
     ### BEGIN SOLUTION
-    if logits.dim() != 2 or logits.shape[0] != len(drafted) + 1:
-        raise ValueError(f"logits must have len(drafted) + 1 = {len(drafted) + 1} rows, got shape {tuple(logits.shape)}")
-    best = logits.argmax(dim=-1).tolist()                          # the target's choice at every position
-    n = 0
-    while n < len(drafted) and drafted[n] == best[n]:
-        n += 1
-    return n, best[n]
+    p = torch.as_tensor(top_p, dtype=torch.float32, device=logits.device)
+    if ((p <= 0) | (p > 1)).any():
+        raise ValueError(f"top_p must be in (0, 1], got {p.tolist()}")
+    probs = logits.float().softmax(dim=-1)                                # (B, V)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    above = sorted_probs.cumsum(dim=-1) - sorted_probs                    # mass ranked above each token
+    drop_sorted = (above >= p[:, None]) & (p[:, None] < 1)                # top_p = 1: drop nothing
+    drop_sorted[:, 0] = False                                             # the top token always survives
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)   # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
     ### END SOLUTION
 '''),
-tests("verify_greedy_tests", 2, r"""
-rows = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 2.0], [4.0, 0.0, 0.0]])   # argmax 1, 0, 2, 0
-assert verify_greedy(rows, [1, 0, 2]) == (3, 0), "all three drafts match: keep them and take the bonus token from the last row"
-assert verify_greedy(rows, [1, 2, 2]) == (1, 0), "the second draft (2) differs from the target's 0: keep 1 draft, then the target's 0"
-assert verify_greedy(rows[:1], []) == (0, 1), "no drafts: the target's own next token, as in plain decoding"
+tests("top_p_tests", 3, r"""
+z = torch.tensor([0.5, 0.3, 0.2]).log().expand(4, 3)
+out = apply_top_p(z, torch.tensor([0.6, 0.45, 0.9, 1.0]))
+assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
+assert torch.isinf(out[0]).tolist() == [False, False, True], \
+    "top_p=0.6 over (0.5, 0.3, 0.2): 0.5 alone is short of 0.6, so the token that crosses it (0.3) is kept too"
+assert torch.isinf(out[1]).tolist() == [False, True, True], "top_p=0.45: the top token alone reaches it"
+assert torch.isinf(out[2]).tolist() == [False, False, False], "top_p=0.9: 0.5 + 0.3 = 0.8 < 0.9, so 0.2 is needed too"
+assert torch.equal(out[0, :2], z[0, :2]), "kept logits stay unchanged"
+wide = torch.linspace(30.0, -30.0, 200)[None]
+assert torch.equal(apply_top_p(wide, torch.tensor([1.0])), wide), \
+    "top_p=1 is off: nothing is removed, not even tokens whose probability is tiny (a float32 running sum reaches 1.0 early)"
 ### BEGIN HIDDEN TESTS
-assert verify_greedy(rows, [2, 0, 2]) == (0, 1), "the first draft is wrong: nothing kept, the target's 1 replaces it"
-assert verify_greedy(rows, [1, 0, 1]) == (2, 2), "the last draft is wrong: keep 2, correct the third"
-assert verify_greedy(rows[:2], [1]) == (1, 0), "one draft accepted: the bonus comes from row 1"
-assert verify_greedy(rows, [1, 1, 2]) == (1, 0), "a draft after a rejection is discarded even if it would match its row"
+""" + HIDDEN_REFERENCE + r"""
+g = torch.Generator().manual_seed(3)
+z = torch.randn(6, 30, generator=g) * 2.5
+keep = z.clone()
+ps = [0.05, 0.3, 0.62, 0.9, 0.97, 1.0]
+got = apply_top_p(z, torch.tensor(ps))
+assert torch.equal(z, keep), "apply_top_p must not modify its input"
+for b, p in enumerate(ps):
+    ref = _ref_probs(z[b].double().tolist(), p=p)
+    pr = torch.softmax(z[b].double(), -1)
+    srt = pr.sort(descending=True).values
+    assert p == 1.0 or ((srt.cumsum(0) - srt - p).abs() > 1e-4).all(), "self-check: no token sits on the boundary"
+    assert _kept(got[b]) == set(ref), f"row {b}, top_p={p}: expected survivors {sorted(ref)}, got {sorted(_kept(got[b]))}"
+    assert torch.equal(got[b][sorted(ref)], z[b][sorted(ref)]), "kept logits must stay unchanged"
+two = torch.tensor([[4.0, 0.0, -1.0, -2.0]])
+assert _kept(apply_top_p(two, torch.tensor([0.01]))) == {0}, "the top token always survives"
+masked = torch.tensor([[2.0, float("-inf"), 1.0, 0.0, float("-inf")]])      # probabilities 0.665, 0.245, 0.090
+assert _kept(apply_top_p(masked, torch.tensor([0.8]))) == {0, 2}, "probabilities come from the softmax over the row as given"
+assert _kept(apply_top_p(masked, torch.tensor([1.0]))) == {0, 2, 3}
+wide = torch.linspace(40.0, -40.0, 500).expand(2, 500)
+assert torch.equal(apply_top_p(wide, torch.tensor([1.0, 1.0])), wide), "top_p = 1 removes nothing"
+for bad in (0.0, 1.5, -0.2):
+    try:
+        apply_top_p(z[:1], torch.tensor([bad]))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"top_p={bad} must raise ValueError")
+### END HIDDEN TESTS
+"""),
+md(r"""
+### See it: which tokens survive?
+
+The real model's distribution for the next token after a prompt, reshaped by your three functions.
+Each row is one of the 12 most likely tokens: the light bar is its probability at the chosen
+temperature before truncation, the dark bar its probability after truncation and renormalization,
+and a struck-out grey row is a token that was cut. The last row gathers the rest of the vocabulary.
+Every combination of the sliders is computed ahead of time from your functions, so the widget also
+works in a static page.
+"""),
+code(r"""
+from course.widgets import sampling_explorer
+
+def truncate(z, temperature, top_k, top_p):
+    '''One row (V,) through your processors: temperature, then top-k, then top-p.'''
+    row = apply_temperature(z[None], torch.tensor([float(temperature)], device=z.device))
+    row = apply_top_k(row, torch.tensor([int(top_k)], device=z.device))
+    return apply_top_p(row, torch.tensor([float(top_p)], device=z.device))[0]
+
+explore_prompt = "My favourite food is"
+with torch.no_grad():
+    ids = torch.tensor([tokenizer(explore_prompt).input_ids], device=dev)
+    explore_logits = model(ids, torch.arange(ids.shape[1], device=dev)[None])[0, -1].float().cpu()
+sampling_explorer(explore_logits, lambda i: tokenizer.decode([i]), truncate, prompt=explore_prompt)
+"""),
+md(r"""
+Try: at temperature 1 with top-k and top-p off, how much probability sits outside the 12 rows?
+Move top-p to 0.8, then raise the temperature: more tokens survive, because a flatter distribution
+needs more tokens to reach 80%. Top-k does not react to temperature at all (the ranking does not
+change). Now compare a prompt where the model is sure of itself:
+"""),
+code(r"""
+def survivors_at(prompt, temperature=1.0, top_k=0, top_p=1.0):
+    with torch.no_grad():
+        ids = torch.tensor([tokenizer(prompt).input_ids], device=dev)
+        z = model(ids, torch.arange(ids.shape[1], device=dev)[None])[0, -1].float()
+    return int(torch.isfinite(truncate(z, temperature, top_k, top_p)).sum())
+
+for prompt in ("The capital of France is", "The weather today is", "I like to eat"):
+    print(f"{prompt!r:28}: top-p 0.9 keeps {survivors_at(prompt, top_p=0.9):5d} tokens, "
+          f"top-p 0.5 keeps {survivors_at(prompt, top_p=0.5):4d}, top-k 50 keeps {survivors_at(prompt, top_k=50)}")
+"""),
+md(r"""
+Top-k keeps the same number of tokens whatever the context. Top-p keeps a handful where the model is
+sure and many more where it is not. That adaptivity is why top-p became the default knob of most APIs.
+
+## Problem 4: Min-p (2 points)
+
+Min-p also adapts, with a rule that is cheaper (no sort) and reads differently: a token survives if
+it is at least `min_p` times as probable as the top token. With `min_p = 0.1` and a top token at
+0.6, the bar is 0.06; with a top token at 0.05, it is 0.005.
+
+**Deliverable:** `apply_min_p(logits, min_p)` takes `logits` `(B, V)` and `min_p` `(B,)` in `[0, 1]`
+and returns logits where every token whose probability (softmax of its row) is below `min_p[b]`
+times the row's largest probability is set to $-\infty$. `min_p = 0` changes nothing.
+"""),
+solution("min_p", r'''
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Per row, remove the tokens less than min_p times as probable as the top token."""
+    ### BEGIN SOLUTION
+    m = torch.as_tensor(min_p, dtype=torch.float32, device=logits.device)
+    probs = logits.float().softmax(dim=-1)                                # (B, V)
+    bar = m[:, None] * probs.max(dim=-1, keepdim=True).values             # (B, 1)
+    return logits.masked_fill(probs < bar, float("-inf"))
+    ### END SOLUTION
+'''),
+tests("min_p_tests", 2, r"""
+z = torch.tensor([0.6, 0.3, 0.07, 0.03]).log().expand(3, 4)
+out = apply_min_p(z, torch.tensor([0.1, 0.4, 0.0]))
+assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
+assert torch.isinf(out[0]).tolist() == [False, False, False, True], "min_p=0.1, top 0.6: the bar is 0.06, so 0.03 is cut"
+assert torch.isinf(out[1]).tolist() == [False, False, True, True], "min_p=0.4: the bar is 0.24"
+assert torch.equal(out[2], z[2]), "min_p=0 changes nothing"
+### BEGIN HIDDEN TESTS
+""" + HIDDEN_REFERENCE + r"""
+g = torch.Generator().manual_seed(4)
+z = torch.randn(5, 30, generator=g) * 2
+keep = z.clone()
+ms = [0.0, 0.02, 0.13, 0.5, 1.0]
+got = apply_min_p(z, torch.tensor(ms))
+assert torch.equal(z, keep), "apply_min_p must not modify its input"
+for b, m in enumerate(ms):
+    ref = _ref_probs(z[b].double().tolist(), m=m)
+    assert _kept(got[b]) == set(ref), f"row {b}, min_p={m}: expected survivors {sorted(ref)}, got {sorted(_kept(got[b]))}"
+    assert torch.equal(got[b][sorted(ref)], z[b][sorted(ref)]), "kept logits must stay unchanged"
+hot = torch.tensor([[8.0, 7.0, 0.0, -1.0]])
+assert _kept(apply_min_p(hot, torch.tensor([0.3]))) == {0, 1}, "the bar is relative to the top probability"
+### END HIDDEN TESTS
+"""),
+md(r"""
+## 4. One sampler for a whole batch
+
+An engine samples all the rows of a batch at once, and every row belongs to a different request with
+its own settings. vLLM collects them in a `SamplingParams` per request; ours is a small version of it:
+"""),
+locked("sampling_params", r'''
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings (a small version of vLLM's SamplingParams)."""
+    temperature: float = 1.0     # 0: greedy
+    top_k: int = 0               # 0: off
+    top_p: float = 1.0           # 1: off
+    min_p: float = 0.0           # 0: off
+    seed: int | None = None      # None: draw from torch's global generator
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+'''),
+md(r"""
+**The order.** The processors do not commute. Temperature must come first: top-p and min-p read
+probabilities, and a user who lowers the temperature expects a narrower choice; were top-p applied
+to the raw distribution, the survivors would not depend on the temperature at all. Top-k comes
+before top-p, so top-p measures its mass over the top-k survivors (and only has to sort `k` tokens,
+which fast GPU samplers exploit). Engines differ on min-p: vLLM's V1 sampler applies it right after
+temperature, before top-k and top-p; HF `generate` applies temperature, top-k, top-p, then min-p.
+We follow vLLM:
+
+```
+greedy rows (temperature 0):  argmax of the raw logits
+other rows:  temperature -> min-p -> top-k -> top-p -> softmax -> draw one token
+```
+
+Top-k and min-p commute (both keep a top slice of the same ranking), but min-p and top-p do not: a
+top-p applied after min-p measures `p` over fewer, renormalized tokens, and may keep fewer of them.
+The cell after the sampler measures how often that changes the survivors on the real model.
+
+**Random generators, one per request.** A request with a `seed` must get the same text every time
+it is sent, whoever shares its batch (the batch changes at every step under continuous batching,
+lab 04). So each seeded request owns a `torch.Generator`, seeded once when the request arrives and
+advanced only by its own draws. Drawing a whole batch from one generator would tie every
+request's randomness to its neighbours. Rows without a generator draw from torch's global one.
+
+## Problem 5: The batched sampler (4 points)
+
+**Deliverable:** `sample(logits, params, generators=None)` takes `logits` `(B, V)`, one
+`SamplingParams` per row and, optionally, one `torch.Generator` or `None` per row (`generators=None`
+means none at all), and returns `(B,)` `torch.long` token ids: the argmax of the raw logits for
+rows at temperature 0, and for the other rows one token drawn from the distribution left by your
+processors in the order above, each row with its own settings, a row with a generator drawing with
+that generator only. Raise `ValueError` if `params` or `generators` does not have `B` entries. Do not
+modify `logits`. (`torch.multinomial(probs, 1, generator=g)` draws one token from each row of `probs`.)
+"""),
+solution("sampler", r'''
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+    """One token per row: greedy rows take the argmax; the others are processed, then drawn."""
+    B = logits.shape[0]
+    if generators is None:
+        generators = [None] * B
+    if len(params) != B or len(generators) != B:
+        raise ValueError(f"need one SamplingParams and one generator (or None) per row: B={B}, "
+                         f"got {len(params)} params and {len(generators)} generators")
+    ### BEGIN SOLUTION
+    d = logits.device
+    z = logits.float()
+    greedy = z.argmax(dim=-1)                                             # (B,) from the raw logits
+    z = apply_temperature(z, torch.tensor([q.temperature for q in params], device=d))
+    z = apply_min_p(z, torch.tensor([q.min_p for q in params], device=d))
+    z = apply_top_k(z, torch.tensor([q.top_k for q in params], device=d))
+    z = apply_top_p(z, torch.tensor([q.top_p for q in params], device=d))
+    probs = z.softmax(dim=-1)                                             # (B, V)
+    out = greedy.clone()
+    shared = [b for b in range(B) if params[b].temperature > 0 and generators[b] is None]
+    if shared:                                                            # one draw for all of them
+        out[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
+    for b in range(B):                                                    # each seeded row on its own
+        if params[b].temperature > 0 and generators[b] is not None:
+            out[b] = torch.multinomial(probs[b], 1, generator=generators[b])[0]
+    return out
+    ### END SOLUTION
+'''),
+tests("sampler_tests", 4, r"""
+z = torch.tensor([[0.0, 3.0, 1.0, 2.0]]).repeat(3, 1)
+out = sample(z, [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(temperature=0.7, top_p=0.5)])
+assert out.shape == (3,) and out.dtype == torch.long, f"expected a (3,) torch.long tensor, got {tuple(out.shape)} {out.dtype}"
+assert out[0] == 1, "temperature 0 is greedy: the argmax of the raw logits"
+assert out[1] == 1, "top_k=1 leaves only the top token"
+assert out[2] == 1, "top_p=0.5 keeps only the top token here (p = 0.76 at temperature 0.7)"
+assert torch.equal(z[0], torch.tensor([0.0, 3.0, 1.0, 2.0])), "do not modify the logits"
+flat = torch.zeros(1, 50)
+runs = [[sample(flat, [SamplingParams(seed=7)], [g]).item() for _ in range(30)] for g in
+        (torch.Generator().manual_seed(7), torch.Generator().manual_seed(7))]
+assert runs[0] == runs[1], "the same seed must give the same tokens: draw seeded rows with their own generator"
+assert len(set(runs[0])) > 5, "a generator must advance from draw to draw: 30 draws from 50 equal tokens cannot all agree"
+# Frequencies: 20,000 draws of a known distribution. By Hoeffding's inequality, a correct sampler's
+# frequency of a token misses its probability by 0.03 or more with chance at most
+# 2 exp(-2 * 20000 * 0.03**2) = 4.6e-16, so this check fails a correct sampler less than once in 10^15 runs.
+N = 20000
+freq = torch.bincount(sample(torch.tensor([0.5, 0.3, 0.2]).log().expand(N, 3), [SamplingParams()] * N), minlength=3) / N
+assert (freq - torch.tensor([0.5, 0.3, 0.2])).abs().max() < 0.03, \
+    f"temperature 1, no truncation: frequencies {freq.tolist()} should be close to (0.5, 0.3, 0.2)"
+### BEGIN HIDDEN TESTS
+""" + HIDDEN_REFERENCE + r"""
+# Frequencies against the float64 reference. Each check below fails a correct sampler with chance at
+# most 2 exp(-2 N eps^2) = 2 exp(-18) = 3.1e-8 (Hoeffding, N = 10,000 draws, eps = 0.03); there are
+# 6 tokens x 5 settings = 30 checks, so a false failure has chance below 30 x 3.1e-8 = 1e-6 by the
+# union bound. Seeds are fixed, so the outcome is also the same on every run.
+q = [0.35, 0.25, 0.15, 0.12, 0.08, 0.05]
+z6 = torch.tensor(q).log()
+N, eps = 10000, 0.03
+settings = [dict(temperature=0.5, top_p=0.7),                 # temperature before top-p; the crossing token
+            dict(temperature=0.8, top_p=0.7, min_p=0.25),     # min-p before top-p (vLLM's order)
+            dict(temperature=0.6, top_k=3, top_p=0.85, min_p=0.1),   # top-k before top-p
+            dict(temperature=1.5, top_k=3)]
+def _check(draws, s):
+    ref = _ref_probs(z6.double().tolist(), t=s.get("temperature", 1.0), k=s.get("top_k", 0),
+                     p=s.get("top_p", 1.0), m=s.get("min_p", 0.0))
+    freq = torch.bincount(draws, minlength=6).double() / len(draws)
+    for i in range(6):
+        if i not in ref:
+            assert freq[i] == 0, f"{s}: token {i} must be cut, but was drawn {int(freq[i] * len(draws))} times"
+        else:
+            assert abs(freq[i] - ref[i]) < eps, f"{s}: token {i} drawn with frequency {freq[i]:.3f}, expected {ref[i]:.3f}"
+torch.manual_seed(123)
+params = [SamplingParams(**s) for s in settings for _ in range(N)]
+draws = sample(z6.expand(len(params), 6).clone(), params)
+for j, s in enumerate(settings):
+    _check(draws[j * N:(j + 1) * N].cpu(), s)
+seeded = dict(temperature=1.3, top_p=0.8)
+gens = [torch.Generator().manual_seed(1000 + i) for i in range(N)]
+_check(sample(z6.expand(N, 6).clone(), [SamplingParams(**seeded)] * N, gens).cpu(), seeded)
+# greedy rows: argmax of the raw logits, whatever else is set, with or without a generator
 g = torch.Generator().manual_seed(5)
-for trial in range(30):
-    k = trial % 5
-    z = torch.randn(k + 1, 12, generator=g)
-    best = z.argmax(-1).tolist()
-    cut = int(torch.randint(0, k + 1, (1,), generator=g))
-    d = best[:cut] + [(b + 1) % 12 for b in best[cut:k]]
-    assert verify_greedy(z, d) == (cut, best[cut]), f"trial {trial}: expected ({cut}, {best[cut]})"
-for bad_rows, d in ((rows, [1, 0]), (rows[:2], [1, 0, 2])):
+z = torch.randn(4, 30, generator=g) * 3
+ps = [SamplingParams(temperature=0.0, top_p=0.3), SamplingParams(temperature=0.0, top_k=2, seed=1),
+      SamplingParams(temperature=0.0, min_p=0.9), SamplingParams(temperature=0.0)]
+got = sample(z, ps, [None, torch.Generator().manual_seed(1), None, None])
+assert got.tolist() == z.argmax(-1).tolist(), "temperature 0 rows must return the argmax of the raw logits"
+keep = z.clone()
+sample(z, [SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05)] * 4)
+assert torch.equal(z, keep), "sample must not modify the logits"
+# one generator per row: same seed, same draws, whatever the neighbours or the position in the batch
+flat = torch.zeros(4, 40)
+def _seq(rows_gens, row, calls=25):
+    return [sample(flat[:len(rows_gens)], [SamplingParams()] * len(rows_gens), rows_gens)[row].item() for _ in range(calls)]
+alone = _seq([torch.Generator().manual_seed(11)], 0)
+torch.manual_seed(0)
+crowd = _seq([None, torch.Generator().manual_seed(3), torch.Generator().manual_seed(11), None], 2)
+assert alone == crowd, "a seeded row must draw the same tokens alone and in a batch: use only its own generator"
+twins = [torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)]
+pairs = [sample(flat[:2], [SamplingParams()] * 2, twins).tolist() for _ in range(25)]
+assert all(a == b for a, b in pairs), "two rows with equally seeded generators must draw equal tokens"
+assert len({a for a, _ in pairs}) > 5, "each generator must advance with every draw"
+torch.manual_seed(42)
+a = [sample(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
+torch.manual_seed(42)
+b = [sample(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
+assert a == b, "rows without a generator draw from torch's global generator"
+for bad in (dict(params=[SamplingParams()] * 3), dict(params=[SamplingParams()] * 4, generators=[None] * 2)):
     try:
-        verify_greedy(bad_rows, d)
+        sample(flat, **bad)
     except ValueError:
         pass
     else:
-        raise AssertionError(f"{bad_rows.shape[0]} rows for {len(d)} drafts must raise ValueError")
+        raise AssertionError("params and generators must have one entry per row: raise ValueError")
 ### END HIDDEN TESTS
 """),
 md(r"""
-**Sampling.** At a temperature above 0 the target's text is random, so "the same text" becomes
-"the same distribution". Draft token $x$ was drawn from the draft's row $q$; the target's row at the
-same position is $p$. The rule of Leviathan et al. (2023) and Chen et al. (2023):
-
-1. accept $x$ with probability $\min\left(1, \frac{p(x)}{q(x)}\right)$ (draw $r$ uniform in $[0, 1)$, accept if $r < p(x) / q(x)$);
-2. on rejection, draw the replacement from the **residual** $\dfrac{\max(0,\ p - q)}{\sum_y \max(0,\ p(y) - q(y))}$ and stop;
-3. if all $\gamma$ drafts are accepted, draw the bonus token from the last row, $p_{\gamma}$.
-
-Why it is exact, for one position: $x$ is proposed with probability $q(x)$ and kept with
-$\min(1, p(x)/q(x))$, so it comes out as an accepted draft with probability $\min(q(x), p(x))$.
-The chance of a rejection is $1 - \sum_y \min(p(y), q(y)) = \sum_y \max(0, p(y) - q(y))$, and then $x$
-comes out with its share of the residual. Adding the two: $\min(p(x), q(x)) + \max(0, p(x) - q(x)) = p(x)$.
-Tokens the draft over-proposes ($q > p$) are thinned out; tokens it under-proposes ($p > q$) are
-topped up by the residual. Both halves matter: resampling from $p$ itself would count the accepted
-mass twice.
-
-## Problem 5: Rejection sampling (4 points)
-
-**Deliverable:** `verify_sample(p, q, drafted, generator=None)` takes the target's rows `p`
-`(g + 1, V)` and the draft's rows `q` `(g, V)` (probabilities, on the CPU) and the `g` drafted tokens,
-and returns `(n, token)`: the number of drafts accepted by the rule above, and the next token (drawn
-from the normalized residual of row `n` after a rejection, or from `p[g]` when all were accepted).
-Draw every random number with `generator` (`torch.rand(1, generator=generator)`,
-`torch.multinomial(row, 1, generator=generator)`). If a residual sums to 0 (it can only happen by
-rounding when `p` equals `q`), draw from `p` of that row. Raise `ValueError` on mismatched shapes.
+Does the order of min-p and top-p matter on real text? For a few prompts, the survivors of
+`top_p = 0.9, min_p = 0.05` at temperature 1, in vLLM's order (min-p first) and in HF's (top-p first):
 """),
-solution("verify_sample", r'''
-def verify_sample(p: torch.Tensor, q: torch.Tensor, drafted: list[int],
-                  generator: torch.Generator | None = None) -> tuple[int, int]:
-    """Speculative sampling: accept draft i with prob min(1, p/q); else resample from max(0, p - q); bonus from p[g]."""
-    g = len(drafted)
-    if p.dim() != 2 or q.dim() != 2 or p.shape[0] != g + 1 or q.shape[0] != g or (g and q.shape[1] != p.shape[1]):
-        raise ValueError(f"need p (g + 1, V) and q (g, V) for g = {g} drafts, got p {tuple(p.shape)} and q {tuple(q.shape)}")
+code(r"""
+for prompt in ("The capital of France is", "The weather today is", "My favourite food is", "I think that"):
+    with torch.no_grad():
+        ids = torch.tensor([tokenizer(prompt).input_ids], device=dev)
+        z = model(ids, torch.arange(ids.shape[1], device=dev)[None])[:, -1].float()     # (1, V)
+    p, m = torch.tensor([0.9], device=dev), torch.tensor([0.05], device=dev)
+    vllm = torch.isfinite(apply_top_p(apply_min_p(z, m), p)).sum().item()
+    hf = torch.isfinite(apply_min_p(apply_top_p(z, p), m)).sum().item()
+    print(f"{prompt!r:40}: min-p then top-p keeps {vllm:3d} tokens, top-p then min-p keeps {hf:3d}")
+"""),
+md(r"""
+When min-p removes a long tail, top-p then measures its 90% over the few survivors and may cut some
+of them too, so the first order tends to keep fewer tokens. A server and a library given the same
+settings can therefore sample from different sets. When you compare engines, compare their orders too.
+
+## 5. Seeded generation
+
+The sampler takes generators; a request's `seed` has to become one. Each request gets its own
+generator when it starts, and keeps it for all its tokens: that is what makes a seeded request
+repeatable, in any batch.
+
+## Problem 6: Seeded, per-request generation (2 points)
+
+**Deliverable:** `sampled_generate(model, prompts, params, max_new_tokens, eos_token_id=None)` returns
+the new tokens of every prompt (a list of lists), generated in one batch with the given `generate`
+loop, where row `b` is sampled with `params[b]`: a request with a `seed` gets its own
+`torch.Generator` (on the model's device), seeded with that seed once, before the first token;
+a request without a seed uses torch's global generator.
+"""),
+solution("sampled_generate", r'''
+def sampled_generate(model, prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int,
+                     eos_token_id: int | None = None) -> list[list[int]]:
+    """Generate every prompt in one batch, each with its own sampling settings and generator."""
+    if len(params) != len(prompts):
+        raise ValueError(f"need one SamplingParams per prompt: {len(prompts)} prompts, {len(params)} params")
     ### BEGIN SOLUTION
-    for i, x in enumerate(drafted):
-        r = torch.rand(1, generator=generator).item()
-        if r * q[i, x] < p[i, x]:                                 # r < p/q without dividing by q
-            continue
-        residual = (p[i] - q[i]).clamp(min=0)                     # what the draft under-proposed
-        if residual.sum() <= 0:
-            residual = p[i]
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return g, int(torch.multinomial(p[g], 1, generator=generator))  # every draft accepted: the bonus
+    generators = [None if q.seed is None else torch.Generator(device=model.device).manual_seed(q.seed)
+                  for q in params]                                       # once per request, not per step
+    return generate(model, prompts, max_new_tokens, lambda logits: sample(logits, params, generators), eos_token_id)
     ### END SOLUTION
 '''),
-tests("verify_sample_tests", 4, r"""
-p1 = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.10], [0.2, 0.2, 0.2, 0.2, 0.2]])
-q1 = torch.tensor([[0.10, 0.15, 0.25, 0.40, 0.10]])
-n, t = verify_sample(p1, q1, [3], torch.Generator().manual_seed(0))
-assert isinstance(n, int) and isinstance(t, int) and n in (0, 1) and 0 <= t < 5, f"expected (n, token) ints, got {(n, t)!r}"
-assert verify_sample(p1[1:].repeat(3, 1), p1[1:].repeat(2, 1), [0, 4])[0] == 2, "when q equals p every draft is accepted"
-assert verify_sample(torch.tensor([[0.0, 1.0], [0.5, 0.5]]), torch.tensor([[1.0, 0.0]]), [0]) == (0, 1), \
-    "p(x) = 0: the draft x is always rejected, and the residual puts all its mass on token 1"
-# The first token of a step must follow p[0] whatever q is. A chi-square test on 3,500 steps whose
-# drafts are drawn from q, with fixed seeds. For a correct answer and a fresh seed, Pearson's statistic
-# (5 categories, 4 degrees of freedom; every expected count >= 350, so the chi-square law applies)
-# exceeds the threshold with probability P(chi2_4 >= x) = exp(-x/2) (1 + x/2) < 1e-7: the test
-# fails a correct answer less than once in ten million runs.
-g = torch.Generator().manual_seed(1)
-first = torch.zeros(5)
-for x in torch.multinomial(q1[0], 3500, replacement=True, generator=g).tolist():   # the drafts, drawn from q
-    n, t = verify_sample(p1, q1, [x], g)
-    first[x if n == 1 else t] += 1
-expected = 3500 * p1[0]
-stat = float(((first - expected) ** 2 / expected).sum())
-pvalue = torch.exp(torch.tensor(-stat / 2)) * (1 + stat / 2)
-assert pvalue > 1e-7, f"the first token's frequencies {(first / 3500).tolist()} do not follow p = {p1[0].tolist()} (chi-square {stat:.0f})"
+code(r"""
+fox = tokenizer("The quick brown fox jumps over the").input_ids
+for q in (SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=2)):
+    print(q.seed, repr(tokenizer.decode(sampled_generate(model, [fox], [q], 12)[0])))
+"""),
+tests("sampled_generate_tests", 2, r"""
+fox = tokenizer("The quick brown fox jumps over the").input_ids
+q = SamplingParams(temperature=1.0, seed=1234)
+one = sampled_generate(model, [fox], [q], 8)[0]
+assert len(one) == 8, f"expected 8 new tokens, got {len(one)}"
+assert sampled_generate(model, [fox], [q], 8)[0] == one, "the same seed must give the same text"
+other = tokenizer("Water boils at").input_ids
+batch = sampled_generate(model, [other, fox], [SamplingParams(temperature=1.3), q], 8)
+assert batch[1] == one, "a seeded request must give the same text when it shares the batch with another request"
+greedy = generate(model, [fox], 8, greedy_pick)[0]
+assert sampled_generate(model, [fox], [SamplingParams(temperature=0.0)], 8)[0] == greedy, "temperature 0 is greedy"
 ### BEGIN HIDDEN TESTS
-""" + HIDDEN_CHI2 + r"""
-# Each chi-square check below fails a correct answer with probability < 1e-7 (see the visible test);
-# there are 6 of them in this cell, so by the union bound a false failure has probability < 6e-7.
-# Every expected count is >= 350 (N * min p), where the chi-square approximation is accurate.
-P = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.10], [0.10, 0.10, 0.20, 0.25, 0.35], [0.15, 0.35, 0.15, 0.20, 0.15]])
-Q = torch.tensor([[0.10, 0.15, 0.25, 0.40, 0.10], [0.30, 0.05, 0.30, 0.05, 0.30]])
-def _run(P, Q, N, seed):
-    g = torch.Generator().manual_seed(seed)
-    pos = [torch.zeros(5) for _ in range(P.shape[0])]
-    kinds = {"bonus": 0, "rejected": 0}
-    drafts = torch.stack([torch.multinomial(Q[i], N, replacement=True, generator=g) for i in range(Q.shape[0])], 1)
-    for d in drafts.tolist():                                     # each row: the g drafts of one step, drawn from q
-        n, t = verify_sample(P, Q, d, g)
-        assert isinstance(n, int) and 0 <= n <= len(d), f"n must be an int in 0..{len(d)}, got {n!r}"
-        assert isinstance(t, int) and 0 <= t < 5, f"the next token must be an int token id, got {t!r}"
-        out = d[:n] + [t]
-        for i, tok in enumerate(out):
-            pos[i][tok] += 1
-        kinds["bonus" if n == len(d) else "rejected"] += 1
-    return pos, kinds
-pos, kinds = _run(P, Q, 6000, 11)
-assert kinds["bonus"] > 0, "when every draft is accepted, a bonus token must follow"
-assert _chi2_pvalue(pos[0], P[0]) > 1e-7, f"token 1 of a step: frequencies {(pos[0] / pos[0].sum()).tolist()} must follow p[0] {P[0].tolist()}"
-assert _chi2_pvalue(pos[1], P[1]) > 1e-7, f"token 2 of a step: frequencies {(pos[1] / pos[1].sum()).tolist()} must follow p[1] {P[1].tolist()}"
-assert pos[2].sum() >= 2000, "self-check: enough bonus tokens for the test"
-assert _chi2_pvalue(pos[2], P[2]) > 1e-7, f"the bonus token must be drawn from the last row p[g] {P[2].tolist()}, got frequencies {(pos[2] / pos[2].sum()).tolist()}"
-# a certain draft (prompt lookup): q is one-hot; the result must still follow p
-Q1 = torch.zeros(1, 5); Q1[0, 2] = 1.0
-pos, _ = _run(P[:2], Q1, 3500, 12)
-assert _chi2_pvalue(pos[0], P[0]) > 1e-7, f"a one-hot draft: token 1 must still follow p[0], got {(pos[0] / pos[0].sum()).tolist()}"
-Q2 = torch.zeros(1, 5); Q2[0, 0] = 1.0
-pos, _ = _run(P[1:], Q2, 3500, 13)
-assert _chi2_pvalue(pos[0], P[1]) > 1e-7, f"a one-hot draft on an unlikely token: frequencies {(pos[0] / pos[0].sum()).tolist()} must follow {P[1].tolist()}"
-# a draft that over-proposes one token
-Q3 = torch.tensor([[0.05, 0.05, 0.05, 0.05, 0.80]])
-pos, _ = _run(P[1:], Q3, 3500, 14)
-assert _chi2_pvalue(pos[0], P[1]) > 1e-7, f"a draft that over-proposes token 4: frequencies {(pos[0] / pos[0].sum()).tolist()} must follow {P[1].tolist()}"
-# no drafts: a plain draw from p[0], reproducible with the generator
-draws = [[verify_sample(P[:1], Q[:0], [], g) for _ in range(20)] for g in (torch.Generator().manual_seed(3), torch.Generator().manual_seed(3))]
-assert all(n == 0 for n, _ in draws[0]), "no drafts: nothing is accepted"
-assert draws[0] == draws[1] and len({t for _, t in draws[0]}) > 1, "no drafts: one draw from p[0] per call, with the generator passed in"
-runs = [[verify_sample(P, Q, [0, 2], gg) for _ in range(50)] for gg in (torch.Generator().manual_seed(9), torch.Generator().manual_seed(9))]
-assert runs[0] == runs[1], "the same generator seed must give the same results: draw every random number with the generator"
-for bad in ((P, Q[:1], [1, 2]), (P[:2], Q, [1, 2])):
-    try:
-        verify_sample(*bad)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("mismatched p, q and drafts must raise ValueError")
+torch.manual_seed(0)
+cfg = course.ModelConfig(family="llama", vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, d_model=16, d_ff=32, max_seq_len=64)
+flat = course.Decoder(cfg).eval()
+with torch.no_grad():
+    for prm in flat.parameters():
+        prm.zero_()                                         # every logit 0: a uniform next token, at every step
+ps = [[1, 2, 3], [4], [5, 6]]
+seeded = [SamplingParams(seed=21), SamplingParams(seed=8), SamplingParams(seed=21)]
+out = sampled_generate(flat, ps, seeded, 30)
+assert [len(o) for o in out] == [30, 30, 30]
+assert out[0] == out[2], "two requests with the same seed must give the same tokens, even in one batch"
+assert out[0] != out[1], "different seeds must give different tokens"
+assert len(set(out[0])) > 10, "the generator must be created once and keep advancing (30 uniform draws from 64 tokens)"
+alone = sampled_generate(flat, [[5, 6]], [SamplingParams(seed=21)], 30)[0]
+assert alone == out[2], "a seeded request's tokens must not depend on the batch"
+shuffled = sampled_generate(flat, [ps[2], [9, 9, 9, 9], ps[0]], [seeded[2], SamplingParams(), seeded[0]], 30)
+assert shuffled[0] == out[2] and shuffled[2] == out[0], "nor on its position in the batch"
+torch.manual_seed(5)
+u1 = sampled_generate(flat, ps, [SamplingParams()] * 3, 10)
+torch.manual_seed(5)
+assert sampled_generate(flat, ps, [SamplingParams()] * 3, 10) == u1, "requests without a seed use torch's global generator"
+eos_run = sampled_generate(flat, [[1]], [SamplingParams(seed=3)], 60, eos_token_id=out[1][4])[0]
+assert len(eos_run) <= 60 and (eos_run[-1] == out[1][4] or len(eos_run) == 60), "stop after EOS (kept)"
 ### END HIDDEN TESTS
 """),
 md(r"""
-## 5. One speculative step
+## 6. Beam search
 
-Now the whole step. The text is a list `seq` of token ids. Between steps, the target's cache holds
-the first `L = len(seq) - 1` tokens (the last token has not been through the target yet: its
-logits are what we need next). At the very first step the cache is empty (`L = 0`) and the pass is
-also the prefill. A step:
+Greedy decoding commits to the best token at every step. The workshop names its second flaw: it
+"misses high-probability words hidden behind low-probability words". A sequence whose first token
+is only second best may be far more likely as a whole. **Beam search** keeps the `num_beams` best
+partial sequences (the *beams*) instead of one, scores each by the sum of its tokens'
+log-probabilities, and returns the best finished sequence it found.
 
-1. `drafted, q = drafter.propose(seq, gamma, temperature, generator)`;
-2. **one** target pass: `extend(target, tcache, seq[L:] + drafted)`, whose last `len(drafted) + 1` rows are the check;
-3. `(n, token)` from `verify_greedy` (temperature 0) or `verify_sample` (on `probs(rows, temperature)`);
-4. `seq` grows by `drafted[:n] + [token]`;
-5. both caches forget what was rejected: the target's cache is rolled back to `len(seq) - 1`
-   positions, and `drafter.keep(len(seq) - 1)` does the same for the draft's.
+Sums of log-probabilities favour short sequences, since every token adds a negative number. A
+**length penalty** corrects that when finished sequences are compared: a finished sequence of
+`L` new tokens (EOS included) with sum of log-probabilities `s` scores
 
-Check the arithmetic of step 5 on an example: `seq` had 10 tokens, the target's cache 9, and 4 drafts
-came in; the pass leaves 14 positions in the cache. With 2 accepted, `seq` has 13 tokens, and the
-cache must keep 12: positions 12 and 13 hold the rejected drafts' keys.
+$$\text{score} = \frac{s}{L^{\alpha}}, \qquad \alpha = \texttt{length\_penalty}.$$
 
-## Problem 6: A speculative step (4 points)
+$\alpha = 1$ compares the mean log-probability per token; $\alpha > 1$ favours longer sequences, and
+$\alpha < 0$ shorter ones. (GNMT, Wu et al. 2016, proposed $((5 + L)/6)^\alpha$; HF uses $L^\alpha$.)
 
-**Deliverable:** `speculative_step(target, tcache, drafter, seq, gamma, temperature=0.0,
-generator=None)` performs the step above: it appends the step's tokens to `seq` **in place**, leaves
-both caches holding `len(seq) - 1` tokens at most (the target's exactly that many) and returns
-`(drafted, n, token)`. It runs the target exactly once. It works when the drafter proposes fewer
-than `gamma` tokens, or none.
+The exact rules decide which sequence comes out, and we want yours to equal Hugging Face
+`generate(num_beams=K, length_penalty=alpha, do_sample=False)` token for token. Its algorithm, with
+`K = num_beams`:
+
+1. Start with one running beam: no new tokens, score 0.
+2. Each step, every running beam proposes every next token: the beam's score plus the token's
+   log-probability (`log_softmax` of that beam's logits). Take the best `2K` proposals over all beams,
+   best first. (Twice `K`, so that enough remain when some end in EOS.)
+3. Walk them in that order. A proposal whose token is EOS is **finished**, if it is among the first
+   `K` proposals (otherwise it is dropped), and is scored with the length penalty. Any other
+   proposal becomes a running beam of the next step, until there are `K` of them.
+4. At the last step (`max_new_tokens` new tokens), the first `K` proposals are all finished, EOS or not.
+5. Keep only the best `K` finished sequences. Stop early when `K` finished sequences exist and the
+   best running beam, scored with the length penalty as if it ended now (`L` = tokens so far), is not
+   better than the worst of them. (HF's default `early_stopping=False`; this check is a heuristic.)
+6. Return the new tokens of the best finished sequence, EOS included if it ended with one.
+
+The running beams live in the slots of a `SlotKVCache`, one per beam. When beam `i` of the next step
+continues beam `j` of this step, slot `i` must hold the keys and values of beam `j`. The given
+`reorder_beams` copies them, like HF's `cache.reorder_cache`. (vLLM does it without copying:
+the beams share their common prefix's blocks, with copy-on-write, the fork of lab 05.)
 """),
-solution("speculative_step", r'''
-@torch.no_grad()
-def speculative_step(target, tcache: SlotKVCache, drafter, seq: list[int], gamma: int, temperature: float = 0.0,
-                     generator: torch.Generator | None = None) -> tuple[list[int], int, int]:
-    """Draft, check in one target pass, keep the agreed prefix plus one target token, roll both caches back."""
-    ### BEGIN SOLUTION
-    start = int(tcache.lengths[0])
-    drafted, q = drafter.propose(seq, gamma, temperature, generator)
-    rows = extend(target, tcache, seq[start:] + drafted)[-(len(drafted) + 1):]     # (g + 1, V): the one pass
-    if temperature == 0:
-        n, token = verify_greedy(rows, drafted)
-    else:
-        n, token = verify_sample(probs(rows, temperature).cpu(), q.cpu(), drafted, generator)
-    seq.extend(drafted[:n] + [token])
-    rollback(tcache, len(seq) - 1)                                 # drop the rejected drafts' keys and values
-    drafter.keep(len(seq) - 1)                                     # and the draft's
-    return drafted, n, token
-    ### END SOLUTION
+locked("reorder_beams", r'''
+def reorder_beams(cache: SlotKVCache, parents: list[int]) -> None:
+    """Slot i becomes a copy of slot parents[i], for i < len(parents): each new beam gets its parent's K/V."""
+    src = torch.as_tensor(parents, dtype=torch.long, device=cache.device)
+    n = src.shape[0]
+    cache.k[:, :n] = cache.k[:, src]
+    cache.v[:, :n] = cache.v[:, src]
+    cache.lengths[:n] = cache.lengths[src].clone()
+    cache.valid[:n] = cache.valid[src].clone()
 '''),
 md(r"""
-The loop around it is given: it runs steps until `max_new_tokens` tokens are out (the last step may
-overshoot; the extra tokens are cut) and records every step for the trace. It does not stop at the
-end-of-sequence token, like `plain_generate`, so the two can be compared token for token.
+## Problem 7: Beam search with a length penalty (4 points)
+
+**Deliverable:** `beam_search(model, prompt, num_beams, max_new_tokens, length_penalty=1.0,
+eos_token_id=None)` runs the algorithm above on our model (with `forward_cached`, one cache slot per
+beam, and `reorder_beams`) and returns the new tokens of the best finished sequence as a list of
+ints. Its output equals HF `generate` with the same settings.
 """),
-locked("speculative_generate", r'''
-def speculative_generate(target, drafter, prompt: list[int], max_new_tokens: int, gamma: int,
-                         temperature: float = 0.0, seed: int | None = None):
-    """New tokens and the steps [(drafted, n_accepted, token), ...]: one target pass per step."""
-    max_len = len(prompt) + max_new_tokens + gamma + 1
-    tcache = SlotKVCache(target.cfg, n_slots=1, max_len=max_len, device=target.device)
-    drafter.start(max_len)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    seq, steps = list(prompt), []
-    while len(seq) < len(prompt) + max_new_tokens:
-        before = len(seq)
-        steps.append(speculative_step(target, tcache, drafter, seq, gamma, temperature, generator))
-        if len(seq) <= before:
-            raise RuntimeError("speculative_step added no token to seq: every step must add at least the target's token")
-    return seq[len(prompt):len(prompt) + max_new_tokens], steps
+solution("beam_search", r'''
+@torch.no_grad()
+def beam_search(model, prompt: list[int], num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
+                eos_token_id: int | None = None) -> list[int]:
+    """The most likely continuation HF-style beam search finds, scored sum(log p) / length**length_penalty."""
+    if num_beams < 1 or max_new_tokens < 1 or not prompt:
+        raise ValueError("need a non-empty prompt, num_beams >= 1 and max_new_tokens >= 1")
+    d, K, T = model.device, num_beams, len(prompt)
+    cache = SlotKVCache(model.cfg, n_slots=K, max_len=T + max_new_tokens, device=d)
+    ### BEGIN SOLUTION
+    logits = forward_cached(model, torch.tensor([prompt], device=d), torch.arange(T, device=d)[None],
+                            cache, torch.tensor([0], device=d))[:, -1]     # (1, V): the prompt, in slot 0
+    beams = [(0.0, [])]                                                   # running: (sum of log p, tokens)
+    finished = []                                                         # (penalized score, tokens)
+    for step in range(max_new_tokens):
+        scores = torch.tensor([s for s, _ in beams], device=d)[:, None] + torch.log_softmax(logits.float(), dim=-1)
+        V = scores.shape[1]
+        top = scores.flatten().topk(2 * K)                                # best 2K proposals, best first
+        last = step + 1 == max_new_tokens
+        running = []
+        for rank, (s, flat) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+            parent, tok = divmod(flat, V)
+            if tok == eos_token_id or last:
+                if rank < K:
+                    finished.append((s / (step + 1) ** length_penalty, beams[parent][1] + [tok]))
+            else:
+                running.append((s, parent, tok))
+            if len(running) == K:
+                break
+        finished = sorted(finished, key=lambda f: f[0], reverse=True)[:K]
+        if last or (len(finished) == K and running[0][0] / (step + 1) ** length_penalty <= finished[-1][0]):
+            break
+        reorder_beams(cache, [parent for _, parent, _ in running])
+        beams = [(s, beams[parent][1] + [tok]) for s, parent, tok in running]
+        ids = torch.tensor([[tok] for _, _, tok in running], device=d)    # (K, 1)
+        pos = torch.full((len(running), 1), T + step, device=d)           # (K, 1): all beams at one position
+        logits = forward_cached(model, ids, pos, cache, torch.arange(len(running), device=d))[:, -1]   # (K, V)
+    return finished[0][1]
+    ### END SOLUTION
 '''),
-tests("speculative_step_tests", 4, r"""
-passes = []
-hook = model.blocks[-1].mlp.register_forward_hook(lambda *a: passes.append(1))   # the draft has no block 30: counts target passes
-try:
-    story = tokenizer("Once upon a time, a little robot").input_ids
-    want = plain_generate(model, story, 20)
-    for drafter in (ModelDrafter(draft), NgramDrafter(model.cfg.vocab_size)):
-        passes.clear()
-        got, steps = speculative_generate(model, drafter, story, 20, gamma=4)
-        assert got == want, f"{drafter.name}: greedy speculative decoding must give the target's greedy text.\n" \
-                            f"expected {tokenizer.decode(want)!r}\ngot      {tokenizer.decode(got)!r}"
-        assert len(passes) == len(steps), f"{drafter.name}: one target pass per step: {len(steps)} steps, {len(passes)} passes"
-        assert sum(n + 1 for _, n, _ in steps) >= 20, "each step adds its accepted drafts plus one target token"
-finally:
-    hook.remove()
+locked("hf_beam", r"""
+hf_model = course.load_hf_model(device=env.device)
+
+def hf_beam(prompt, num_beams, max_new_tokens, length_penalty=1.0):
+    '''HF generate's beam search: the new tokens of the best sequence, EOS included if it has one.'''
+    ids = torch.tensor([prompt], device=dev)
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=num_beams, do_sample=False,
+                            max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+                            eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt):].tolist()
+    return out[:out.index(EOS) + 1] if EOS in out else out
+"""),
+code(r"""
+beam_cases = env.pick([("The quick brown fox jumps over the", 4, 20, 1.0), ("My trip to Yosemite was", 3, 16, 2.0),
+                       ("def fibonacci(n):", 5, 12, -1.0), ("The capital of France is", 2, 24, 0.5)],
+                      [("def fibonacci(n):", 2, 8, -1.0)])
+for text, K, n, lp in beam_cases:
+    p = tokenizer(text).input_ids
+    ours, theirs = beam_search(model, p, K, n, lp, eos_token_id=EOS), hf_beam(p, K, n, lp)
+    print(f"num_beams={K}, length_penalty={lp:4}: equal to HF: {ours == theirs}  {tokenizer.decode(ours)!r}")
+"""),
+tests("beam_search_tests", 4, r"""
+p = tokenizer("The quick brown fox jumps over the").input_ids
+ours = beam_search(model, p, num_beams=3, max_new_tokens=10, length_penalty=1.0, eos_token_id=EOS)
+assert isinstance(ours, list) and all(isinstance(t, int) for t in ours), "return a list of ints"
+assert ours == hf_beam(p, 3, 10, 1.0), f"differs from HF generate: {tokenizer.decode(ours)!r} vs {tokenizer.decode(hf_beam(p, 3, 10, 1.0))!r}"
+assert beam_search(model, p, num_beams=1, max_new_tokens=6, eos_token_id=EOS) == generate(model, [p], 6, greedy_pick)[0], \
+    "one beam is greedy decoding"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_TINY + r"""
-tgt = _tiny(7, V=40, layers=2)
-for dseed, scale in ((8, 0.05), (9, 0.15)):
-    dm = _perturbed(tgt, dseed, scale)
-    prompt = [3, 14, 15, 9, 26]
-    ref = plain_generate(tgt, prompt, 30)                        # checked against the uncached model below
-    assert ref[:8] == [int(_full_logits(tgt, prompt + ref[:i])[-1].argmax()) for i in range(8)], "self-check"
-    ref = prompt + ref
-    for gamma in (1, 4):
-        drafter = ModelDrafter(dm)
-        tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
-        drafter.start(64)
-        seq, accepted = list(prompt), 0
-        while len(seq) < len(prompt) + 24:
-            before = len(seq)
-            drafted, n, tok = speculative_step(tgt, tcache, drafter, seq, gamma)
-            accepted += n
-            assert len(drafted) == gamma and 0 <= n <= gamma, f"gamma={gamma}: the model drafter proposes gamma tokens"
-            assert len(seq) == before + n + 1, f"seq must grow by n + 1 = {n + 1} tokens, grew by {len(seq) - before}"
-            assert seq[before:] == drafted[:n] + [tok], "seq gains the accepted drafts, then the target's token"
-            assert seq == ref[:len(seq)], f"gamma={gamma}: the text departs from the target's greedy text"
-            _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), f"gamma={gamma}, target cache after a step")
-            held = int(drafter.cache.lengths[0])
-            assert held <= len(seq) - 1, f"gamma={gamma}: the draft cache still holds {held} positions; roll it back to at most len(seq) - 1 = {len(seq) - 1}"
-            _same_cache(drafter.cache, held, _fresh_cache(dm, seq[:held]), f"gamma={gamma}, draft cache after a step")
-        assert 0 < accepted, "self-check: the perturbed draft agrees some of the time"
-# the target as its own draft: every draft is accepted and every step ends with a bonus token
-same = ModelDrafter(tgt)
-out, steps = speculative_generate(tgt, same, [1, 2, 3], 20, gamma=3)
-assert all(n == 3 for _, n, _ in steps), "a draft identical to the target must have every draft accepted"
-assert len(steps) == 5, f"20 tokens at 4 tokens per pass (3 drafts + the bonus) take 5 target passes, took {len(steps)}"
-assert out == plain_generate(tgt, [1, 2, 3], 20), "with the target as its own draft, the output must still be its greedy text"
-# sampling: reproducible; with the target as its own draft, everything is accepted
-a = speculative_generate(tgt, ModelDrafter(tgt), [1, 2, 3], 16, gamma=2, temperature=1.0, seed=4)
-b = speculative_generate(tgt, ModelDrafter(tgt), [1, 2, 3], 16, gamma=2, temperature=1.0, seed=4)
-assert a == b, "the same seed must give the same sampled text"
-assert all(n == len(d) for d, n, _ in a[1]), "at temperature 1 a draft equal to the target is always accepted (p = q)"
-dm = _perturbed(tgt, 10, 0.15)
-for temperature in (0.7, 1.0):
-    drafter, tcache = ModelDrafter(dm), SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
-    drafter.start(64)
-    seq, g = [7, 8, 9], torch.Generator().manual_seed(1)
-    while len(seq) < 30:
-        speculative_step(tgt, tcache, drafter, seq, 4, temperature, g)
-        _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), f"temperature {temperature}: target cache")
-        held = int(drafter.cache.lengths[0])
-        assert held <= len(seq) - 1, f"temperature {temperature}: roll the draft cache back"
-        _same_cache(drafter.cache, held, _fresh_cache(dm, seq[:held]), f"temperature {temperature}: draft cache")
-# prompt lookup: fewer than gamma drafts, or none
-looped = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-ng = NgramDrafter(40)
-tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
-seq = list(looped)
-drafted, n, tok = speculative_step(tgt, tcache, ng, seq, 6)
-assert drafted == [7, 8, 5, 6], "self-check"
-ref = list(looped)
-for _ in range(n + 1):
-    ref.append(int(_full_logits(tgt, ref)[-1].argmax()))
-assert seq == ref, "prompt lookup step: the text must follow the target's greedy choice"
-_same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), "after a prompt-lookup step")
-seq = [1, 2, 3]
-tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
-drafted, n, tok = speculative_step(tgt, tcache, ng, seq, 4)
-assert drafted == [] and n == 0 and seq == [1, 2, 3, int(_full_logits(tgt, [1, 2, 3])[-1].argmax())], \
-    "no drafts: the step is a plain decoding step"
-_same_cache(tcache, 3, _fresh_cache(tgt, [1, 2, 3]), "after a step without drafts")
-assert len(seq) == 4, "a step without drafts adds exactly one token"
+n_eos = 0
+for seed in range(4):
+    hf_tiny, ours_tiny = _tiny_pair(seed)
+    g = torch.Generator().manual_seed(seed)
+    for trial in range(3):
+        prompt = torch.randint(0, 48, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        with torch.no_grad():
+            path = hf_tiny.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
+        eos = path[int(torch.randint(0, 8, (1,), generator=g))]          # a token the model does emit
+        for K, lp in ((2, 1.0), (3, 2.0), (4, -0.5), (3, 0.0)):
+            with torch.no_grad():
+                out = hf_tiny.generate(torch.tensor([prompt]), num_beams=K, length_penalty=lp, do_sample=False,
+                                       max_new_tokens=10, eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+            want = out[:out.index(eos) + 1] if eos in out else out
+            n_eos += eos in want
+            got = beam_search(ours_tiny, prompt, K, 10, lp, eos_token_id=eos)
+            assert got == want, f"tiny model {seed}, prompt {prompt}, num_beams={K}, length_penalty={lp}, eos={eos}: expected {want}, got {got}"
+assert n_eos > 10, "self-check: the cases must include sequences that end with EOS"
+p = tokenizer("My trip to Yosemite was").input_ids
+assert beam_search(model, p, 2, 8, 2.0, eos_token_id=EOS) == hf_beam(p, 2, 8, 2.0), "real model, length_penalty=2"
 ### END HIDDEN TESTS
 """),
 md(r"""
-### See it: the trace
+## 7. Measure: repetition and diversity
 
-Every step of a run, replayed. Underlined green: drafts the target accepted; struck-out red: the
-first rejected draft; grey: drafts after it, discarded unchecked; orange: the target's correction;
-blue: a bonus token (all drafts passed); light grey: a plain step (no draft to check). Pick a drafter and move the slider: one position is one
-target pass. The table lists the latest passes.
+Now the four ways to choose a token, on the same prompts, with the same number of new tokens:
+greedy, beam search (4 beams), nucleus sampling (temperature 0.7, top-p 0.9) and pure sampling
+(temperature 1, no truncation). Sampling runs several times per prompt (seeded, so you can rerun it).
+For every text: repetition and distinct-2 within it. For each prompt: distinct-2 pooled over its
+texts (how much the texts differ from each other; greedy and beam give the same text every time),
+and the model's mean log-probability of the tokens it produced (how likely it finds its own text).
 """),
 code(r"""
-from course.widgets import spec_trace
-
-trace_prompt = "Once upon a time, there was a fox who"
-trace_ids = tokenizer(trace_prompt).input_ids
-trace_new = env.pick(64, 24, cpu=40)
-runs = {}
-for drafter in (ModelDrafter(draft, draft_name), NgramDrafter(model.cfg.vocab_size)):
-    _, runs[drafter.name] = speculative_generate(model, drafter, trace_ids, trace_new, gamma=4)
-spec_trace(runs, lambda t: tokenizer.decode([t]), prompt=trace_prompt)
-"""),
-md(r"""
-Where does the trained draft fail? Often on the first token of a new idea (a name, a number, a
-rare word: the draft's head does not even have most rare tokens) and rarely inside a common phrase.
-Prompt lookup proposes nothing at first, then shines once the text starts to repeat itself.
-
-## 6. Measure
-
-Three numbers per drafter and draft length $\gamma$:
-
-- **acceptance rate** $\alpha$: accepted drafts over *checked* drafts (the accepted ones plus the
-  one rejection that ends a step; drafts discarded after it were never checked);
-- **tokens per target pass**: new tokens over steps. If each draft were accepted independently
-  with probability $\alpha$, a step would yield $1 + \alpha + \alpha^2 + \dots + \alpha^\gamma =
-  \frac{1 - \alpha^{\gamma+1}}{1 - \alpha}$ tokens (Leviathan et al., 2023). Compare;
-- **speedup**: the wall time of `plain_generate` over that of `speculative_generate`, same prompt,
-  same number of tokens. It depends on the draft's cost too: $\gamma$ draft passes per step.
-
-A few prompts the draft never saw in training. The cell prints a table and plots it; it takes about
-a minute on a CPU (more prompts, tokens and values of $\gamma$ on a GPU). Timings on a shared or busy
-machine are noisy: rerun the cell if a number looks odd.
-"""),
-code(r"""
-import matplotlib.pyplot as plt
 import numpy as np
-from course.widgets.spec_trace import trace_stats
+import matplotlib.pyplot as plt
 
-measure_texts = ["The history of the printing press begins in", "Here is a simple recipe for banana bread:",
-                 "def bubble_sort(items):\n    ", "My grandfather told me a story about"]
-n_prompts, new_tokens = env.pick((4, 96), (1, 16), cpu=(2, 32))
-gammas = env.pick([1, 2, 3, 4, 6, 8], [2], cpu=[1, 2, 4])
+measure_texts = ["Once upon a time there was a little girl who", "I like to eat", "My trip to Yosemite was",
+                 "The best way to learn a language is"]
+n_prompts, new_tokens, n_samples = env.pick((4, 64, 8), (1, 24, 2), cpu=(4, 48, 4))
 measure_prompts = [tokenizer(t).input_ids for t in measure_texts[:n_prompts]]
-repeats = env.pick(3, 1, cpu=1)
 
-def run_all(drafter, gamma, temperature=0.0):
-    '''Steps of every prompt, and the median wall time of generating them all.'''
-    out = {}
-    def run():
-        out["steps"] = [s for p in measure_prompts for s in speculative_generate(model, drafter, p, new_tokens, gamma, temperature, seed=0)[1]]
-    seconds = benchmark(run, warmup=0, repeats=repeats, device=dev).median
-    return out["steps"], seconds
+@torch.no_grad()
+def mean_logprob(prompt, new):
+    '''The model's mean log-probability of the new tokens, given the prompt (temperature 1).'''
+    ids = torch.tensor([prompt + new], device=dev)
+    logp = torch.log_softmax(model(ids, torch.arange(ids.shape[1], device=dev)[None])[0].float(), -1)
+    return logp[len(prompt) - 1:-1].gather(1, torch.tensor(new, device=dev)[:, None]).mean().item()
 
-base = benchmark(lambda: [plain_generate(model, p, new_tokens) for p in measure_prompts], repeats=repeats, device=dev).median
-print(f"plain cached greedy decoding: {n_prompts * new_tokens / base:.1f} tokens/s ({n_prompts} prompts x {new_tokens} tokens)\n")
-drafters = {draft_name: ModelDrafter(draft, draft_name), "prompt lookup": NgramDrafter(model.cfg.vocab_size)}
-rows = {}
-print(f"{'drafter':15} {'gamma':>5} {'accept':>7} {'tok/pass':>8} {'formula':>8} {'tokens/s':>9} {'speedup':>8}")
-for name, drafter in drafters.items():
-    for gamma in gammas:
-        steps, secs = run_all(drafter, gamma)
-        st = trace_stats(steps)
-        a = st.acceptance_rate
-        formula = gamma + 1.0 if a == 1 else (1 - a ** (gamma + 1)) / (1 - a)     # nan when nothing was checked
-        rows[name, gamma] = dict(alpha=a, per_pass=st.tokens_per_pass, formula=formula, speedup=base / secs)
-        print(f"{name:15} {gamma:5d} {a:7.2f} {st.tokens_per_pass:8.2f} {formula:8.2f} "
-              f"{n_prompts * new_tokens / secs:9.1f} {base / secs:7.2f}x")
-ee_steps, _ = run_all(ModelDrafter(early_exit, "early exit"), gammas[0])
-print(f"\nuntrained early exit (4 blocks, full head), gamma {gammas[0]}: acceptance rate {trace_stats(ee_steps).acceptance_rate:.2f}")
+strategies = {
+    "greedy": lambda ps: [[o] for o in generate(model, ps, new_tokens, greedy_pick)],
+    "beam (4)": lambda ps: [[beam_search(model, p, 4, new_tokens, 1.0)] for p in ps],
+    "T=0.7, top-p 0.9": lambda ps: sampled(ps, SamplingParams(temperature=0.7, top_p=0.9)),
+    "T=1.0, pure": lambda ps: sampled(ps, SamplingParams(temperature=1.0)),
+}
+def sampled(ps, q):
+    '''n_samples seeded texts per prompt, all in one batch.'''
+    rows = [p for p in ps for _ in range(n_samples)]
+    qs = [SamplingParams(q.temperature, q.top_k, q.top_p, q.min_p, seed=i) for i in range(len(rows))]
+    outs = sampled_generate(model, rows, qs, new_tokens)
+    return [outs[i * n_samples:(i + 1) * n_samples] for i in range(len(ps))]
 
-fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-for name, color in zip(drafters, ("C0", "C2")):
-    xs = gammas
-    axes[0].plot(xs, [rows[name, g]["per_pass"] for g in xs], "o", color=color, label=f"{name}: measured")
-    axes[0].plot(xs, [rows[name, g]["formula"] for g in xs], "x--", color=color, label=f"{name}: (1-a^(g+1))/(1-a)")
-    axes[1].plot(xs, [rows[name, g]["speedup"] for g in xs], "o-", color=color, label=name)
-axes[0].set_xlabel("draft length gamma"); axes[0].set_ylabel("tokens per target pass"); axes[0].legend(fontsize=8)
-axes[1].axhline(1, color="gray", lw=1); axes[1].set_xlabel("draft length gamma"); axes[1].set_ylabel("speedup over plain decoding")
-axes[1].legend(fontsize=8)
-for ax in axes:
-    ax.grid(alpha=0.3)
+results = {}
+for name, run in strategies.items():
+    texts = run(measure_prompts)                              # texts[prompt] = list of token lists
+    flat = [t for per_prompt in texts for t in per_prompt]
+    results[name] = dict(
+        repetition=np.mean([repetition(t) for t in flat]), distinct2=np.mean([distinct_n([t], 2) for t in flat]),
+        pooled2=np.mean([distinct_n(per_prompt, 2) for per_prompt in texts]),
+        logprob=np.mean([mean_logprob(p, t) for p, per_prompt in zip(measure_prompts, texts) for t in per_prompt]),
+        example=tokenizer.decode(texts[0][0]))
+print(f"{len(measure_prompts)} prompts, {new_tokens} new tokens, {n_samples} samples per prompt when sampling\n")
+print(f"{'':18} {'repetition':>10} {'distinct-2':>10} {'distinct-2 across':>18} {'mean log p':>10}")
+for name, r in results.items():
+    print(f"{name:18} {r['repetition']:10.2f} {r['distinct2']:10.2f} {r['pooled2']:18.2f} {r['logprob']:10.2f}")
+print()
+for name, r in results.items():
+    print(f"{name:>18}: {measure_texts[0]}{r['example']!r}"[:220])
+
+fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+for ax, key, title in zip(axes, ("repetition", "distinct2", "logprob"),
+                          ("repeated 3-grams (lower: less looping)", "distinct-2 within a text", "mean log-prob per token")):
+    ax.bar(range(len(results)), [r[key] for r in results.values()], color=["C3", "C1", "C0", "C2"])
+    ax.set_xticks(range(len(results)), list(results), rotation=20, fontsize=8)
+    ax.set_title(title, fontsize=10); ax.grid(alpha=0.3, axis="y")
 plt.tight_layout(); plt.show()
 """),
 md(r"""
-Read your table:
+Read the table row by row. Which strategy repeats itself most? Beam search looks for the *most
+likely* text: compare its mean log-probability with greedy's. Keeping 4 candidates does not
+guarantee a likelier text than greedy's (a loop, once entered, is very likely, token after token),
+and the workshop warns that beam search "can still get stuck in a loop"; it is rarely used for
+open-ended chat. Sampling trades likelihood for variety: the "across" column says how much its texts
+differ from each other, while greedy and beam give one text per prompt. Pure sampling reaches
+further into tokens the model itself finds unlikely; truncation with top-p is the compromise most
+APIs default to.
 
-- Does the formula track the measured tokens per pass? It assumes every draft is accepted with the
-  same probability, independently. Prompt lookup breaks that twice: it proposes fewer than $\gamma$
-  tokens (or none) when no n-gram matches, and its guesses come in runs (a repeated passage is
-  right for many tokens, then wrong).
-- Why does the speedup stop growing, or fall, with $\gamma$, while tokens per pass keep rising? Each
-  extra draft costs a draft pass for sure and pays only if all earlier drafts were accepted. With
-  draft cost $c$ (a draft pass over a target pass) the expected speedup is
-  $\frac{1 - \alpha^{\gamma+1}}{(1 - \alpha)(\gamma c + 1)}$, assuming a target pass over
-  $\gamma + 1$ tokens costs what a pass over one does (check that against your first measurement).
-- The untrained early exit is what you get from a draft that does not match the target: almost
-  nothing is accepted, and the draft passes are pure loss. Training the adapter is what made the
-  4-block draft useful.
+### The temperature experiment
 
-### Sampling
-
-At temperature 1 the check is the rejection rule, and acceptance depends on how close the draft's
-whole distribution is to the target's: $\alpha = \sum_x \min(p(x), q(x))$ on average, not just
-agreement on the top token.
+The workshop's experiment: the same prompt at temperatures 0.7, 1.5 and 0.00001. Thanks to
+per-request parameters, all of it runs as **one batch**: each row has its own temperature and seed.
 """),
 code(r"""
-sample_gamma = 4
-for name, drafter in drafters.items():
-    steps, secs = run_all(drafter, sample_gamma, temperature=1.0)
-    st = trace_stats(steps)
-    print(f"temperature 1, {name:14}: acceptance rate {st.acceptance_rate:.2f}, {st.tokens_per_pass:.2f} tokens per pass, "
-          f"speedup {base / secs:.2f}x (the baseline is greedy: sampling costs about the same)")
-out, _ = speculative_generate(model, drafters[draft_name], measure_prompts[0], env.pick(40, 12), sample_gamma,
-                              temperature=1.0, seed=1)
-print("\nsampled with speculative decoding:", repr(measure_texts[0] + tokenizer.decode(out)))
+fox = tokenizer("The quick brown fox jumps over the").input_ids
+temps = [0.7, 1.5, 0.00001]
+reps = env.pick(3, 1)
+qs = [SamplingParams(temperature=t, seed=s) for t in temps for s in range(reps)]
+outs = sampled_generate(model, [fox] * len(qs), qs, 20)
+for q, out in zip(qs, outs):
+    print(f"T={q.temperature:<7g} seed {q.seed}: {tokenizer.decode(out)!r}")
+greedy_fox = generate(model, [fox], 20, greedy_pick)[0]
+print("\nT=0.00001 equals greedy:", all(out == greedy_fox for q, out in zip(qs, outs) if q.temperature < 1e-3))
 """),
 md(r"""
-Prompt lookup's one-hot $q$ is accepted only with probability $p(x)$, the target's own probability
-of the copied token: far below its greedy acceptance unless the target is sure.
-
-### Real pairs, when the hub is reachable
-
-Our draft was cut out of its target. The usual pair is two models of one family, trained apart, with
-one tokenizer: SmolLM2-135M drafting for SmolLM2-360M, or distilgpt2 (6 layers) for gpt2 (12). The
-next cell measures their greedy acceptance rate with your `speculative_generate` when the Hugging Face
-hub can be reached (Colab, most laptops). Offline, as on the grading machine, it says so and moves
-on. Compare with the 4-block draft: a separately trained small model usually agrees with its big
-sibling far more often, at a higher cost per draft token.
+A temperature of 0.00001 multiplies every logit by 100,000: the gap between the top two tokens becomes
+so large that the top one gets all of the probability, and sampling turns into greedy decoding. At
+1.5 the tail gains, and the text drifts. Sweep the temperature and measure both sides of the trade:
 """),
 code(r"""
-from course.models.loading import ModelUnavailableError
-
-def pair_acceptance(target_name: str, draft_name: str, gamma: int = 4):
-    '''Greedy acceptance rate and tokens per pass of draft_name drafting for target_name, on the measure prompts.'''
-    tok = course.load_tokenizer(target_name)
-    target, drafter = course.load_model(target_name, device=dev), ModelDrafter(course.load_model(draft_name, device=dev))
-    steps = [s for text in measure_texts[:n_prompts]
-             for s in speculative_generate(target, drafter, tok(text).input_ids, new_tokens, gamma)[1]]
-    return trace_stats(steps)
-
-for big, small in (("smollm2-360m", "smollm2-135m"), ("gpt2", "distilgpt2")):      # (target, draft)
-    try:
-        st = pair_acceptance(big, small)
-        print(f"{small} drafting for {big}, gamma 4: acceptance rate {st.acceptance_rate:.2f}, "
-              f"{st.tokens_per_pass:.2f} tokens per target pass")
-    except ModelUnavailableError as e:
-        print(f"{small} drafting for {big}: skipped ({str(e).split(': ', 1)[-1].split('.')[0]})")
+sweep = env.pick([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0], [0.5, 1.5], cpu=[0.25, 0.5, 0.75, 1.0, 1.5, 2.0])
+per_t = env.pick(8, 2, cpu=4)
+qs = [SamplingParams(temperature=t, seed=s) for t in sweep for s in range(per_t)]
+outs = sampled_generate(model, [fox] * len(qs), qs, 20)                  # one batch, every temperature
+pooled, logps = [], []
+for i, t in enumerate(sweep):
+    texts = outs[i * per_t:(i + 1) * per_t]
+    pooled.append(distinct_n(texts, 2))
+    logps.append(np.mean([mean_logprob(fox, o) for o in texts]))
+    print(f"T={t:4}: distinct-2 across {per_t} samples {pooled[-1]:.2f}, mean log-prob per token {logps[-1]:6.2f}")
+fig, ax1 = plt.subplots(figsize=(6, 3.2))
+ax1.plot(sweep, pooled, "o-", color="C0"); ax1.set_ylabel("distinct-2 across samples", color="C0")
+ax2 = ax1.twinx(); ax2.plot(sweep, logps, "s-", color="C3"); ax2.set_ylabel("mean log-prob per token", color="C3")
+ax1.set_xlabel("temperature"); ax1.grid(alpha=0.3); ax1.set_title("Temperature: diversity against likelihood")
+plt.tight_layout(); plt.show()
 """),
 md(r"""
+Diversity climbs with the temperature and the model's own confidence in the text falls: there is
+no free setting, only a choice of where to sit on this curve.
+
 ## Summary
 
-- Decoding is one token per pass; a pass over a few more tokens costs little more. Speculative
-  decoding spends that slack on the draft's guesses.
-- The target checks $\gamma$ drafts in **one** pass over the last token and the drafts; its
-  $\gamma + 1$ rows give a verdict for every draft plus one token of its own.
-- The KV cache **appends** the drafts and **rolls back** the rejected ones, in the target and in the
-  draft: a rollback only moves the length back.
-- **Greedy acceptance** keeps the drafts equal to the target's argmax: the output is exactly the
-  target's greedy text.
-- **Rejection sampling** accepts with $\min(1, p/q)$ and resamples from $\max(0, p - q)$ normalized,
-  with a bonus token from the last row: the output has exactly the target's distribution.
-- The gain depends on the acceptance rate, the draft length and the draft's cost; a draft that does
-  not match the target makes decoding *slower*.
+- The sampler turns the last logits of every row into one token per row, and it is where a
+  request's sampling settings take effect.
+- **Temperature** divides the logits: below 1 it sharpens, above 1 it flattens; 0 means greedy.
+- **Truncation** removes tokens before the draw: **top-k** keeps the `k` best logits (ties included),
+  **top-p** the smallest top set reaching mass `p` (the crossing token included), **min-p** every token
+  at least `min_p` times as likely as the top one. Survivors are renormalized.
+- The **order** matters: temperature first, then truncation (vLLM: min-p, top-k, top-p; HF: top-k, top-p, min-p).
+- A batch holds **per-request settings** and **one generator per seeded request**, so a seed gives
+  the same text in any batch.
+- **Beam search** keeps `K` beams, ranks finished sequences by `sum log p / L^alpha`, and usually finds
+  likelier text than greedy (not always); likely text is not the same as good, varied text.
 
-**Questions**
-1. The workshop slide says the target "verifies these tokens in parallel; worst case, re-run from
-   that point". What does the worst case cost with your implementation, compared with plain decoding?
-2. Why must the draft share the target's tokenizer? What would it take to use a draft with another vocabulary?
-3. Explain, with the two terms $\min(p, q)$ and $\max(0, p - q)$, why rejection sampling gives exactly
-   $p$. Would the chi-square check in the test under Problem 5 catch resampling from $p$ instead? Work out the first token's distribution in that case.
-4. From your table: which $\gamma$ is best for each drafter, and why is the best $\gamma$ for prompt
-   lookup larger?
-5. Your draft costs $c$ of a target pass. Using the speedup formula, what acceptance rate would it
-   need to reach 2x at $\gamma = 4$? Why does a big GPU target (a 70B model) make $c$ much smaller
-   than on this CPU?
-6. In a batched server (lab 04), each request accepts a different number of drafts per step. What
-   does that do to the batch, and to the paged KV cache of lab 05 (which blocks must be freed)?
-7. Why does speculative decoding help most at small batch sizes, and less when the batch already
-   fills the GPU's compute?
+**Questions** (from the workshop's decoding strategies, and a few more)
+1. Why does greedy decoding start repeating itself? Use your repetition numbers for its two halves.
+2. "Greedy misses high-probability words hidden behind low-probability words." Compare the mean
+   log-probability of your greedy and beam texts. When can beam search beat greedy on likelihood?
+3. Top-k: how would you decide `k`? Use the survivor counts of top-p 0.9 on the three prompts to say
+   why top-p adapts and top-k does not.
+4. Why must temperature come before top-p? What would a temperature slider do to the survivors if
+   top-p read the temperature-1 distribution?
+5. Top-p with (0.5, 0.3, 0.2) and `p = 0.6`: which tokens survive, and why is the crossing token kept?
+6. Why does each seeded request need its own generator? What goes wrong under continuous batching
+   (lab 04) if a whole batch draws from one?
+7. Temperature 0.00001 gave the greedy text. Why does vLLM treat temperature 0 as a separate,
+   greedy path instead of dividing by a tiny number?
+8. How would you run beam search inside a server that batches many requests? What does each beam
+   cost in KV-cache memory, and how do shared prefix blocks (lab 05) reduce that cost?
 
 ## Going further
 
-- **A bigger target**: with the hub, try `("smollm2-1.7b", "smollm2-135m")` in the real-pairs cell
-  (a GPU helps). The bigger the gap between the two, the smaller the draft's cost $c$.
-- **vLLM** supports draft models, n-gram (prompt lookup), Medusa, MLP speculators and EAGLE; its
-  rejection sampler runs batched on the GPU, and the scheduler reserves KV slots for the drafts.
-  **SGLang** uses EAGLE with a tree of drafts. **TGI** offers n-gram and Medusa speculation.
-  **llama.cpp** has draft-model and lookup decoding.
-- **Self-drafting**: Medusa (extra heads on the target predict tokens 2, 3, ... ahead), EAGLE 1-3
-  (a one-layer draft on the target's hidden features, a reduced draft vocabulary like ours), LayerSkip
-  (early exit trained into the model) and Draft & Verify (skipping layers of the target).
-- **Token trees**: SpecInfer and EAGLE-2 check a tree of alternative drafts in one pass, with a
-  tree-shaped attention mask, to accept more per pass.
-- **Lookahead decoding** drafts n-grams from Jacobi iterations of the target itself.
-- Papers: Leviathan, Kalman and Matias, *Fast Inference from Transformers via Speculative Decoding*
-  (2023); Chen et al., *Accelerating Large Language Model Decoding with Speculative Sampling* (2023);
-  Cai et al., *Medusa* (2024); Li et al., *EAGLE* (2024); Saxena, *Prompt Lookup Decoding* (2023).
+- **vLLM**'s V1 sampler (`vllm/v1/sample/`) takes the greedy rows' argmax first, then applies
+  temperature, min-p, top-k and top-p on tensors that hold every request's settings. For the draw it
+  divides the probabilities by exponential noise and takes the argmax (the exponential race, same
+  distribution as `multinomial`), with per-request generators for seeded requests. It also
+  implements penalties (repetition, frequency, presence), logprobs and logit bias.
+- **FlashInfer**'s sampling kernels find top-k and top-p survivors by rejection sampling, without
+  sorting the vocabulary, a large saving for vocabularies of 100k+ tokens.
+- **Structured output** (xgrammar, Outlines, llguidance) is a logits processor too: a grammar masks
+  every token that would break the JSON schema before the draw.
+- **Beam search** in engines: vLLM runs it as a loop over its engine (`LLM.beam_search`), sharing
+  prefix blocks between beams; HF `generate` implements the algorithm you matched, with
+  `early_stopping` variants and diverse and constrained beam search.
+- Papers: Holtzman et al., *The Curious Case of Neural Text Degeneration* (top-p, repetition of
+  likely text); Fan et al., *Hierarchical Neural Story Generation* (top-k); Nguyen et al., *Turning
+  Up the Heat: Min-p Sampling for Creative and Coherent LLM Outputs*; Li et al., *A
+  Diversity-Promoting Objective Function for Neural Conversation Models* (distinct-n); Wu et al.,
+  *Google's Neural Machine Translation System* (the length penalty). Speculative decoding (lab 08)
+  adds one more sampler: it must draw from exactly the target model's distribution.
 """),
 ]
 
-write_notebook("labs/07_speculative_decoding/07_speculative_decoding.ipynb", cells + [md(CHECK_YOUR_WORK)])
-print("wrote labs/07_speculative_decoding/07_speculative_decoding.ipynb")
+write_notebook("labs/07_sampling/07_sampling.ipynb", cells + [md(CHECK_YOUR_WORK)])
+print("wrote labs/07_sampling/07_sampling.ipynb")

@@ -3,1444 +3,1094 @@
     .venv/bin/python -m autograder.lab_builders.lab08
 """
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
-from autograder.lab_builders.hidden_refs import greedy_and_tiny  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
-# Independent references of the hidden tests (they live only here, in the instructor's source):
-# a greedy loop with no cache at all, tiny random models, and a "pool content" model that writes
-# each token's id into its slot and reads every live sequence back through its table.
-HIDDEN_REF = greedy_and_tiny(max_seq_len=128)
+# Tiny Llama decoders for the hidden tests: fast, with peaked distributions (weights ~ N(0, 0.3^2)).
+# `_perturbed` is a draft that agrees with its target part of the time.
+HIDDEN_TINY = r'''
+import dataclasses as _dc
+from course.models import Decoder as _Decoder
+def _tiny(seed, V=40, layers=2):
+    cfg = course.ModelConfig(family="llama", vocab_size=V, n_layer=layers, n_head=4, n_kv_head=2, d_model=32,
+                             d_ff=64, max_seq_len=256)
+    g = torch.Generator().manual_seed(seed)
+    m = _Decoder(cfg).eval()
+    with torch.no_grad():
+        for prm in m.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * 0.3)
+    return m
+def _perturbed(m, seed, scale=0.08):
+    d = _Decoder(m.cfg).eval()
+    d.load_state_dict(m.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for prm in d.parameters():
+            prm.add_(torch.randn(prm.shape, generator=g) * scale)
+    return d
+@torch.no_grad()
+def _full_logits(m, seq):
+    # reference: the whole sequence through the plain model, no cache: (T, V)
+    ids = torch.tensor([list(seq)], device=m.device)
+    return m(ids, torch.arange(len(seq), device=m.device)[None])[0]
+@torch.no_grad()
+def _fresh_cache(m, seq, max_len=256):
+    # reference: a cache built from seq alone, in one pass
+    c = SlotKVCache(m.cfg, n_slots=1, max_len=max_len, device=m.device)
+    if len(seq):
+        forward_cached(m, torch.tensor([list(seq)], device=m.device), torch.arange(len(seq), device=m.device)[None],
+                       c, torch.zeros(1, dtype=torch.long, device=m.device))
+    return c
+def _same_cache(c, seq_len, ref, what):
+    # c must hold exactly the first seq_len positions, equal to the reference cache
+    n = int(c.lengths[0])
+    assert n == seq_len, f"{what}: the cache holds {n} positions, expected {seq_len}"
+    assert not c.valid[0, n:].any(), f"{what}: positions from {n} on must be marked invalid after a rollback"
+    assert c.valid[0, :n].all(), f"{what}: the first {n} positions must be valid"
+    assert torch.allclose(c.k[:, 0, :, :n], ref.k[:, 0, :, :n], atol=1e-4), f"{what}: stored keys differ from a cache built from the kept tokens alone"
+    assert torch.allclose(c.v[:, 0, :, :n], ref.v[:, 0, :, :n], atol=1e-4), f"{what}: stored values differ"
+'''.strip("\n")
 
-HIDDEN_STRESS = r'''
-def _stress(hash_fn, n_blocks, bs, n_ops, seed):
-    # random allocate / append / commit / free on a small pool; an independent "pool content" model:
-    # every computed token writes its id into its slot; every live sequence must read its own tokens back
-    rng = random.Random(seed)
-    pc = PrefixCache(n_blocks, bs, hash_fn=hash_fn)
-    content, live, nxt = {}, {}, 0
-    stems = [[rng.randrange(4) for _ in range(rng.randint(1, 3 * bs))] for _ in range(3)]
-    for _ in range(n_ops):
-        r = rng.random()
-        if live and r < 0.3:
-            seq = rng.choice(sorted(live)); pc.free(seq); del live[seq]
-        elif live and r < 0.6:
-            seq = rng.choice(sorted(live))
-            try:
-                slots = pc.append(seq, 1)
-            except OutOfBlocks:
-                continue
-            tok = rng.randrange(4)
-            content[slots[0]] = tok
-            live[seq].append(tok)
-            pc.commit(seq, live[seq])
-        else:
-            toks = rng.choice(stems) + [rng.randrange(4) for _ in range(rng.randint(0, 2 * bs))]
-            try:
-                n_cached, slots = pc.allocate(nxt, toks)
-            except OutOfBlocks:
-                continue
-            assert n_cached % bs == 0 and n_cached < len(toks), "only full blocks, and never the last token, come from the cache"
-            assert len(slots) == len(toks) - n_cached, "one slot per token that is not cached"
-            for s, t in zip(slots, toks[n_cached:]):
-                content[s] = t
-            pc.commit(nxt, toks)
-            live[nxt] = list(toks); nxt += 1
-        users = {}
-        for seq, tab in pc.tables.items():
-            for b in tab:
-                users[b] = users.get(b, 0) + 1
-            read = [content.get(tab[p // bs] * bs + p % bs) for p in range(len(live[seq]))]
-            assert read == live[seq], f"sequence {seq} reads tokens that are not its own: a block was shared " \
-                "wrongly (no token check on a hit? a partial block shared?) or taken while in use"
-        assert all(pc.pool.ref_count[b] == users.get(b, 0) for b in range(n_blocks)), \
-            "ref_count must equal the number of tables that hold each block"
-        assert sorted(list(users) + list(pc.pool.free_queue)) == list(range(n_blocks)), \
-            "every block is either in use or in the free queue, never both"
-        for h, b in pc.pool.cached.items():
-            assert pc.pool.hash_of[b] == h, "cached[h] == b must agree with hash_of[b] == h"
-    for seq in list(live):
-        pc.free(seq)
-    assert pc.pool.n_free == n_blocks and not any(pc.pool.ref_count), "every block must be free at the end"
-    return pc
+# Chi-square with 4 degrees of freedom (5 categories): its tail has a closed form, so no scipy.
+HIDDEN_CHI2 = r'''
+import math as _math
+def _chi2_pvalue(counts, probs):
+    # Pearson's statistic for observed counts against probabilities; P(chi2_4 >= x) = exp(-x/2) (1 + x/2)
+    counts = torch.as_tensor(counts, dtype=torch.float64)
+    probs = torch.as_tensor(probs, dtype=torch.float64)
+    assert len(counts) == 5, "self-check: the closed form below is for 5 categories"
+    expected = counts.sum() * probs
+    x = float(((counts - expected) ** 2 / expected).sum())
+    return _math.exp(-x / 2) * (1 + x / 2)
 '''.strip("\n")
 
 cells = [
 md(r"""
-# Lab 08: Prefix caching
+# Lab 08: Speculative decoding, several tokens per pass
 
-Most requests to a chat server start the same way. A product's assistant sends the same system
-prompt (its instructions) in front of every question. A chat sends the whole conversation again at
-every turn. Few-shot prompts repeat the same examples. In each case the server computes the keys and
-values of the same tokens over and over, and prefill is the part of a request the user waits for.
-**Prefix caching** keeps the KV blocks of finished requests and hands them to later requests that
-start with the same tokens, which then skip prefill for that part. vLLM does it with a hash per
-block; SGLang (*RadixAttention*) with a radix tree of token sequences. You will build both, on top
-of the paged blocks of lab 05.
+A decode step of lab 02 moves every weight of the model from memory to produce **one** token, and
+the arithmetic units mostly wait. Lab 04 filled that idle compute with other requests (batching).
+**Speculative decoding** fills it with *guesses* for the same request: a cheap **draft** proposes
+the next few tokens, and the expensive **target** model checks all of them in **one** forward pass.
+Every guess the target agrees with is a token gained for free. The trick is in the checking rule:
+done right, the text has exactly the target's distribution (greedy: exactly the target's greedy
+text), however bad the draft. A bad draft only costs speed, never quality.
 
 **You will**
-- count how many prefill tokens a server has already computed before, and what they cost;
-- give every full block a *chained* hash, keep a map from hash to block with reference counts,
-  evict unused blocks least recently used first, and check the tokens of every hit;
-- make the lab 05 engine skip prefill for a request's cached blocks, with outputs identical to no cache;
-- build a radix tree with insert, longest-prefix match, node splits and LRU eviction of unlocked leaves;
-- watch which blocks each request reuses, and measure prefill tokens saved, time to first token and
-  hit rate against cache size, on a shared system prompt and on a multi-turn chat.
+- measure that a forward pass over several tokens costs about as much as over one;
+- make the KV cache append several tokens at once and **roll back** the rejected ones;
+- write two drafters: a small model (proposes tokens one at a time) and prompt lookup (copies from the text so far, no model at all);
+- write greedy acceptance, and exact **rejection sampling** (accept with $\min(1, p/q)$, resample from $\max(0, p - q)$, and the bonus token);
+- put them together in a speculative decoding step whose greedy output equals the target's;
+- replay the steps in a trace widget, and measure acceptance rate, tokens per target pass against the formula, and the wall-time speedup for several draft lengths.
 
-**Time:** about 2 hours. **Hardware:** everything runs on a laptop CPU (small workloads there);
-a GPU only makes the measurements bigger.
+**Time:** about 75 minutes. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
+used when there is one.
 """),
 locked("colab_install", COLAB_INSTALL),
 locked("setup", SETUP),
 md(r"""
-## 1. How much prefill has the server done before?
+## 1. Why guessing can pay
 
-Take a help-desk assistant: a fixed system prompt, then one customer question per request. Below,
-each prompt is the system prompt's tokens followed by the question's tokens. We tokenize the two
-parts separately and join the ids, as chat templates do: the cache works on **token ids**, and a
-prefix is only shared if its ids are identical (text that tokenizes differently at a seam shares nothing).
+The target is SmolLM2-135M, the model of every lab so far. The cell below loads it and gives two
+helpers from earlier labs: `probs(logits, temperature)` (lab 07's temperature, with 0 meaning greedy:
+all the probability on the top token) and `plain_generate`, greedy decoding with a KV cache
+(labs 03 and 04): one forward pass per new token. `plain_generate` is the baseline we must beat.
 """),
-code(r'''
-import hashlib
-import random
-import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-
-import matplotlib.pyplot as plt
-import numpy as np
+locked("engine", r'''
 import torch
-import torch.nn.functional as F
-
-from course.engine import PagedKVCache, block_table_tensor, forward_paged
-from course.engine.runner import embed, project_qkv   # lab 03's layer input and q/k/v (with RoPE), shared by every forward
-from course.models.decoder import check_ids
-from course.timing import benchmark, clock
+from course.engine import SlotKVCache, forward_cached
+from course.timing import benchmark   # median of several runs after a warm-up, GPU synchronized
 
 tokenizer = course.load_tokenizer()
-model = course.load_model(device=env.device)
-dev, cfg = env.device, model.cfg
-
-SYSTEM = ("You are Quill, the help desk assistant of Northwind Books, an online bookshop. Answer in two or three "
-          "short sentences. Be friendly and exact. If you do not know an answer, say so and suggest writing to "
-          "help@northwind.example. Orders ship within two working days; delivery takes three to five days. "
-          "Returns are free within 30 days if the book is unread. We sell paper books and e-books; e-books "
-          "cannot be returned once downloaded. Never share a customer's personal data, and never promise a discount.")
-QUESTIONS = ["When will my order arrive?", "Can I return an e-book?", "Do you sell audiobooks?",
-             "My book came damaged. What now?", "Is there a discount for students?", "How do I change my address?",
-             "Can I pay with a gift card?", "Where is my refund?"]
-system = SYSTEM if not env.quick else SYSTEM[:SYSTEM.index(" If you")]     # a shorter one in quick mode
+model = course.load_model(device=env.device)   # the target
+dev = env.device
+SLOT0 = torch.zeros(1, dtype=torch.long, device=dev)   # every cache in this lab holds one sequence, in slot 0
 
 
-def encode(text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
-def chat_prompt(system_text: str, question: str) -> list[int]:
-    """System part and user part tokenized separately, then joined: the system ids never change."""
-    return encode(f"System: {system_text}\n") + encode(f"User: {question}\nAssistant:")
-
-
-prompts = [chat_prompt(system, q) for q in QUESTIONS[:env.pick(8, 4)]]
-sys_len = len(encode(f"System: {system}\n"))
-total = sum(len(p) for p in prompts)
-repeated = sys_len * (len(prompts) - 1)
-print(f"{len(prompts)} prompts, {total} prompt tokens; the system prompt is {sys_len} of them in each")
-print(f"{repeated} prompt tokens ({100 * repeated / total:.0f}%) were computed before, by an earlier request")
-
-question_only = prompts[0][sys_len:]
-with torch.inference_mode():
-    t_full = benchmark(lambda: model(torch.tensor([prompts[0]], device=dev), torch.arange(len(prompts[0]), device=dev)[None]),
-                       repeats=env.pick(5, 2), device=dev)
-    t_question = benchmark(lambda: model(torch.tensor([question_only], device=dev), torch.arange(len(question_only), device=dev)[None]),
-                           repeats=env.pick(5, 2), device=dev)
-print(f"prefill of the whole prompt ({len(prompts[0])} tokens): {1e3 * t_full.median:.0f} ms; "
-      f"of the question alone ({len(question_only)} tokens): {1e3 * t_question.median:.0f} ms")
-'''),
-md(r"""
-Those are your numbers. Most of the time to first token goes to tokens whose keys and values some
-earlier request already computed. The keys and values of a token depend only on the tokens before it
-(causal attention), so the same prefix gives the same keys and values, whoever sends it.
-Keeping them is all prefix caching does. The hard parts are finding them fast, sharing them safely,
-and deciding what to throw away when memory runs out.
-
-## 2. A name for every block: chained hashes
-
-Lab 05 cut a sequence's cache into blocks of `block_size` tokens. To reuse a block we need to find
-it from the tokens of a new request. A block's keys and values depend on its own tokens **and on
-every token before it**. So the name of block `i` must cover the whole prefix up to its end. vLLM
-gets that cheaply with a **chain**: the hash of block `i` is the hash of (hash of block `i - 1`,
-tokens of block `i`).
-
-```
-tokens:  [The cat sat on] [the mat and  ] [slept  .   ]        block_size = 4
-hash 0 = H(None,   (The, cat, sat, on))
-hash 1 = H(hash 0, (the, mat, and, ...))      <- covers all 8 tokens, through hash 0
-(no hash for the last block: it is not full yet, and its keys and values will still grow)
-```
-
-Only **full** blocks get a hash. A partly filled block belongs to its sequence alone: the next
-token will be written into it, so no one else may read it as "the prefix".
-
-`hash_block` (given) is `H`: 64 bits of SHA-256. Two different prefixes give the same hash with
-probability about 2^-64 per pair, which is why vLLM uses a strong hash. Python's built-in `hash`
-is faster but easier to collide; we will also defend against collisions with a token check.
-"""),
-locked("hash_block", r'''
-class OutOfBlocks(RuntimeError):
-    """The pool has fewer free blocks than a request needs."""
-
-
-def hash_block(parent: int | None, block: tuple[int, ...]) -> int:
-    """64-bit hash of (the previous block's hash, this block's token ids). parent is None for block 0."""
-    data = repr((parent, tuple(int(t) for t in block))).encode()
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
-'''),
-md(r"""
-## Problem 1: Chained block hashes (2 points)
-
-**Deliverable:** `block_hashes(tokens, block_size, hash_fn=hash_block)`: one hash per **full** block of
-`tokens`, in order. Block `i` holds `tokens[i * block_size:(i + 1) * block_size]`; its hash is
-`hash_fn(parent, block)` with `parent` the hash of block `i - 1` (`None` for block 0) and `block` a
-**tuple** of its token ids. A partly filled last block gets no hash.
-"""),
-solution("block_hashes", r'''
-def block_hashes(tokens: list[int], block_size: int, hash_fn=hash_block) -> list:
-    """Chained hashes of the full blocks of `tokens`: hash i covers tokens[0 : (i + 1) * block_size]."""
-    ### BEGIN SOLUTION
-    hashes, parent = [], None
-    for i in range(len(tokens) // block_size):
-        parent = hash_fn(parent, tuple(tokens[i * block_size:(i + 1) * block_size]))
-        hashes.append(parent)
-    return hashes
-    ### END SOLUTION
-'''),
-code(r'''
-a, b = prompts[0], prompts[1]
-ha, hb = block_hashes(a, 16), block_hashes(b, 16)
-same = next((i for i, (x, y) in enumerate(zip(ha, hb)) if x != y), min(len(ha), len(hb)))
-print(f"prompt 0: {len(a)} tokens -> {len(ha)} full blocks of 16; prompt 1: {len(b)} tokens -> {len(hb)} full blocks")
-print(f"their first {same} block hashes agree: those blocks can be shared")
-print("with a hash_fn that shows its input:", block_hashes([7, 8, 9, 10, 11], 2, hash_fn=lambda p, t: (p, t)))
-'''),
-tests("block_hashes_tests", 2, r"""
-show = lambda p, t: (p, t)                                    # a "hash" that shows what it was given
-assert block_hashes([1, 2, 3, 4], 2, hash_fn=show) == [(None, (1, 2)), ((None, (1, 2)), (3, 4))], \
-    "hash 1 = hash_fn(hash 0, (3, 4)): each hash takes the previous one and a tuple of the block's tokens"
-assert block_hashes([1, 2, 3, 4, 5], 2, hash_fn=show)[-1] == ((None, (1, 2)), (3, 4)), "the partial block [5] gets no hash"
-assert len(block_hashes(list(range(10)), 4)) == 2 and block_hashes([1, 2, 3], 4) == [], "only full blocks"
-h1, h2 = block_hashes([1, 2, 9, 9], 2), block_hashes([3, 4, 9, 9], 2)
-assert h1[1] != h2[1], "the same block (9, 9) after different prefixes must get different hashes: chain the parent"
-assert block_hashes([1, 2, 3, 4], 2) == [hash_block(None, (1, 2)), hash_block(hash_block(None, (1, 2)), (3, 4))]
-### BEGIN HIDDEN TESTS
-assert block_hashes([], 3) == [] and block_hashes([5], 1) == [hash_block(None, (5,))]
-for bs in (1, 3, 4, 16):
-    rng = random.Random(bs)
-    toks = [rng.randrange(50) for _ in range(5 * bs + bs // 2)]
-    got = block_hashes(toks, bs)
-    want, parent = [], None
-    for i in range(len(toks) // bs):
-        parent = hash_block(parent, tuple(toks[i * bs:(i + 1) * bs]))
-        want.append(parent)
-    assert got == want, f"block_size {bs}: hashes differ from the chain hash_block(previous hash, block)"
-    assert block_hashes(toks[:3 * bs], bs) == want[:3], "exact block multiples: every block is full and hashed"
-    other = [toks[0] + 1] + toks[1:]
-    assert all(x != y for x, y in zip(block_hashes(other, bs), want)), \
-        "changing the first token must change every later hash (the chain)"
-assert block_hashes((1, 2, 3, 4), 2, hash_fn=show) == [(None, (1, 2)), ((None, (1, 2)), (3, 4))], "tuples of tokens too"
-### END HIDDEN TESTS
-"""),
-md(r"""
-## 3. The block pool: shared blocks, reference counts, LRU eviction
-
-Now the memory. As in lab 05, a pool of `n_blocks` physical blocks, a reference count per block,
-and free blocks handed out from a queue. Three changes make it a cache:
-
-- **A freed block keeps its contents.** When a request ends, its full blocks stay in the map
-  `cached` (hash -> block), with reference count 0. A later request with the same prefix finds them
-  there and **shares** them (count up by one): it skips their prefill.
-- **Eviction is least recently used (LRU).** Blocks with count 0 wait in `free_queue`, oldest
-  release first. A request that needs fresh blocks takes them from the **front** (the least recently
-  used); if such a block still holds cached tokens, they are **evicted**: its hash leaves the map.
-  A block whose count drops to 0 goes to the **back**. A cached block that gets a new user leaves
-  the queue: a block in use must never be evicted, or another request would overwrite its keys.
-- **Every hit is checked.** Two different prefixes can collide on one hash. So the pool stores, for
-  each cached block, its tokens and its **parent**: the block that holds the previous block of the
-  prefix (None for a first block). A lookup is a hit only if both match. Walking from the first
-  block, that proves the whole prefix is equal, one block at a time.
-
-```
-free_queue (LRU first):  [P5] [P2] [P7]        P2, P7 hold cached blocks (evictable); P5 is empty
-take(2)      -> P5, P2: P2's hash leaves `cached` (evicted)      free_queue: [P7]
-share(P7)    -> ref 1, leaves the queue (now safe from eviction)  free_queue: []
-release(P5)  -> ref 0, to the back                                free_queue: [P5]
-```
-
-## Problem 2: The block pool (4 points)
-
-**Deliverable:** the methods of `BlockPool`:
-- `take(n)`: `n` blocks for new tokens from the front of `free_queue`, each with count 1. Evict the
-  ones that hold cached content (remove their hash from `cached`, set their `hash_of`, `tokens_of`,
-  `parent_of` to None, count `evictions`). Fewer than `n` free: raise `OutOfBlocks`, changing nothing.
-- `share(block)`: one more user of a cached block; at the first user it leaves `free_queue`.
-- `release(block)`: one user fewer (ValueError if it had none); at 0 it goes to the back of
-  `free_queue`, keeping its content and its entry in `cached`.
-- `register(block, h, parent, tokens)`: the block now holds `tokens` after block `parent` and is found
-  under hash `h`. If `h` is already in `cached`, or the block is already registered, do nothing (the
-  block stays private and is freed like any block).
-- `lookup(h, parent, tokens)`: the block cached under `h` if its tokens and its parent match, else
-  None. A block found under `h` that fails the check is a collision: count it in `collisions`.
-"""),
-solution("block_pool", r'''
-class BlockPool:
-    """Physical KV blocks that outlive their requests: reference counts, a hash map, an LRU free queue."""
-
-    def __init__(self, n_blocks: int, block_size: int):
-        if n_blocks < 1 or block_size < 1:
-            raise ValueError(f"n_blocks and block_size must be >= 1, got {n_blocks} and {block_size}")
-        self.n_blocks, self.block_size = n_blocks, block_size
-        self.ref_count: list[int] = [0] * n_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))  # count 0, LRU first
-        self.cached: dict[int, int] = {}                       # hash -> block
-        self.hash_of: list[int | None] = [None] * n_blocks     # the hash a block is cached under
-        self.tokens_of: list[tuple | None] = [None] * n_blocks
-        self.parent_of: list[int | None] = [None] * n_blocks   # the block before it in its prefix
-        self.evictions = 0
-        self.collisions = 0
-
-    @property
-    def n_free(self) -> int:
-        return len(self.free_queue)
-
-    def take(self, n: int) -> list[int]:
-        """n blocks for new content, least recently used first, each with one user."""
-        ### BEGIN SOLUTION
-        if n > self.n_free:
-            raise OutOfBlocks(f"need {n} free blocks, but only {self.n_free} are free")
-        out = []
-        for _ in range(n):
-            block, _ = self.free_queue.popitem(last=False)
-            if self.hash_of[block] is not None:
-                del self.cached[self.hash_of[block]]
-                self.hash_of[block] = self.tokens_of[block] = self.parent_of[block] = None
-                self.evictions += 1
-            self.ref_count[block] = 1
-            out.append(block)
-        return out
-        ### END SOLUTION
-
-    def share(self, block: int) -> None:
-        """One more user of a cached block; a block in use is never evicted."""
-        ### BEGIN SOLUTION
-        if self.ref_count[block] == 0:
-            del self.free_queue[block]
-        self.ref_count[block] += 1
-        ### END SOLUTION
-
-    def release(self, block: int) -> None:
-        """One user fewer; unused blocks join the back of the free queue, still cached."""
-        ### BEGIN SOLUTION
-        if self.ref_count[block] < 1:
-            raise ValueError(f"block {block} has no user to release")
-        self.ref_count[block] -= 1
-        if self.ref_count[block] == 0:
-            self.free_queue[block] = None
-        ### END SOLUTION
-
-    def register(self, block: int, h: int, parent: int | None, tokens) -> None:
-        """Make a computed full block findable under hash h (unless h or the block is taken)."""
-        ### BEGIN SOLUTION
-        if h in self.cached or self.hash_of[block] is not None:
-            return
-        self.cached[h] = block
-        self.hash_of[block], self.tokens_of[block], self.parent_of[block] = h, tuple(tokens), parent
-        ### END SOLUTION
-
-    def lookup(self, h: int, parent: int | None, tokens) -> int | None:
-        """The block cached under h, if it really holds `tokens` after block `parent`."""
-        ### BEGIN SOLUTION
-        block = self.cached.get(h)
-        if block is None:
-            return None
-        if self.tokens_of[block] != tuple(tokens) or self.parent_of[block] != parent:
-            self.collisions += 1
-            return None
-        return block
-        ### END SOLUTION
-'''),
-code(r'''
-pool = BlockPool(n_blocks=4, block_size=2)
-a, b = pool.take(2)
-pool.register(a, hash_block(None, (1, 2)), None, (1, 2))                     # a holds tokens (1, 2)
-pool.register(b, hash_block(hash_block(None, (1, 2)), (3, 4)), a, (3, 4))     # b holds (3, 4) after block a
-print("took", [a, b], "| free queue", list(pool.free_queue))
-pool.release(b); pool.release(a)
-print("released both | free queue (LRU first)", list(pool.free_queue), "| cached", len(pool.cached))
-print("lookup (1, 2):", pool.lookup(hash_block(None, (1, 2)), None, (1, 2)),
-      "| same hash, other tokens:", pool.lookup(hash_block(None, (1, 2)), None, (1, 3)), "| collisions", pool.collisions)
-pool.share(a)
-print("shared block", a, "| free queue", list(pool.free_queue), "| take(3) evicts:", pool.take(3), "| evictions", pool.evictions)
-'''),
-tests("block_pool_tests", 4, r"""
-p = BlockPool(n_blocks=4, block_size=2)
-assert p.take(2) == [0, 1] and p.ref_count == [1, 1, 0, 0] and list(p.free_queue) == [2, 3], "take from the front"
-p.register(0, 111, None, (5, 6)); p.register(1, 222, 0, [7, 8])
-assert p.cached == {111: 0, 222: 1} and p.tokens_of[1] == (7, 8) and p.parent_of[1] == 0
-p.release(1); p.release(0)
-assert list(p.free_queue) == [2, 3, 1, 0], "released blocks go to the back, in the order they were released"
-assert p.cached == {111: 0, 222: 1}, "a released block stays cached"
-assert p.lookup(111, None, (5, 6)) == 0 and p.lookup(222, 0, (7, 8)) == 1
-assert p.lookup(222, 0, (7, 9)) is None and p.collisions == 1, "a hit whose tokens differ is a collision: no hit"
-assert p.lookup(222, 3, (7, 8)) is None and p.collisions == 2, "a hit whose parent differs is a collision too"
-assert p.lookup(333, None, (1, 2)) is None and p.collisions == 2, "an unknown hash is a plain miss"
-p.share(0)
-assert p.ref_count[0] == 1 and 0 not in p.free_queue, "a shared block leaves the free queue: it must not be evicted"
-assert p.take(3) == [2, 3, 1] and p.evictions == 1 and 222 not in p.cached and p.hash_of[1] is None, \
-    "taking block 1 evicts its cached content"
-try:
-    p.take(1)
-except OutOfBlocks:
-    pass
-else:
-    raise AssertionError("no free block left (block 0 is in use): take must raise OutOfBlocks")
-assert p.ref_count == [1, 1, 1, 1] and 111 in p.cached, "the block in use was not evicted"
-### BEGIN HIDDEN TESTS
-# OutOfBlocks changes nothing
-p = BlockPool(n_blocks=3, block_size=2)
-p.take(1)
-try:
-    p.take(3)
-except OutOfBlocks:
-    pass
-else:
-    raise AssertionError("3 blocks asked, 2 free: OutOfBlocks")
-assert list(p.free_queue) == [1, 2] and p.ref_count == [1, 0, 0], "a failed take must change nothing"
-try:
-    p.release(2)
-except ValueError:
-    pass
-else:
-    raise AssertionError("releasing a block with no user must raise ValueError")
-# register never replaces an entry; a registered block is not registered twice
-p.register(0, 5, None, (1, 1)); p.register(0, 6, None, (2, 2))
-b, = p.take(1)
-p.register(b, 5, None, (1, 1))
-assert p.cached == {5: 0} and p.hash_of[b] is None, "a hash already in the map keeps its block"
-# LRU: a block reused and released again moves to the back
-p = BlockPool(n_blocks=5, block_size=1)
-blocks = p.take(5)
-for i, blk in enumerate(blocks):
-    p.register(blk, 100 + i, None, (i,))
-for blk in (3, 1, 4, 0, 2):
-    p.release(blk)
-assert list(p.free_queue) == [3, 1, 4, 0, 2]
-p.share(1); p.share(1); p.release(1)
-assert 1 not in p.free_queue and p.ref_count[1] == 1, "two shares, one release: still in use"
-p.release(1)
-assert list(p.free_queue) == [3, 4, 0, 2, 1], "block 1 was used last: it goes to the back, evicted last"
-assert p.take(2) == [3, 4] and set(p.cached) == {100, 101, 102}, "evict the least recently used first"
-# the share of a block in use does not touch the queue
-p = BlockPool(n_blocks=3, block_size=1)
-x, = p.take(1); p.register(x, 9, None, (4,)); p.share(x)
-assert p.ref_count[x] == 2 and list(p.free_queue) == [1, 2]
-for _ in range(2):
-    p.release(x)
-assert list(p.free_queue) == [1, 2, 0] and p.ref_count[x] == 0
-### END HIDDEN TESTS
-"""),
-md(r"""
-## Problem 3: The prefix cache (4 points)
-
-`PrefixCache` puts the pool to work for sequences, like lab 05's allocator: a block table and a length
-per sequence. What changes is how a sequence starts:
-
-1. **match**: walk the prompt's full blocks from the first one: compute the chained hashes, and look
-   each block up (with its parent, the block matched just before). Stop at the first miss: a block
-   after a miss cannot be used, because its keys depend on the block that missed.
-2. **allocate**: share the matched blocks, take fresh blocks for the rest, and return how many tokens
-   came from the cache and the slots of the others (the engine computes only those).
-3. **commit**, after the forward pass: register every full block whose keys and values are now
-   written. Not before: a block registered before it is computed could be read half-empty.
-
-One trap: the model must still run on **at least the last prompt token**, because the logits of the
-first new token come from it. So match only looks at `tokens[:-1]`. A prompt of exactly 8 tokens,
-fully cached in blocks of 4, still recomputes its second block (vLLM does the same).
-
-**Deliverable:** the methods of `PrefixCache`:
-- `match(tokens)`: the cached blocks of the longest cached prefix of full blocks of `tokens[:-1]`.
-- `allocate(seq, tokens)`: a new sequence: share the matched blocks, `take` the others (first check
-  that they fit: a matched block that is free now will stop being free; raise `OutOfBlocks` and change
-  nothing if not). Record its table, its length (`len(tokens)`) and `hashes[seq]`, the chained hashes
-  of its registered blocks so far (those of the hits). Add `len(tokens)` to `prompt_tokens` and the
-  cached tokens to `cached_tokens`. Return `(n_cached, slots)`: the number of tokens that came from the
-  cache and the slots of the other tokens, in order (slot = `block * block_size + offset`).
-- `append(seq, n)`: `n` more tokens (decoding): new blocks only when the last one is full; their slots.
-- `commit(seq, tokens)`: register each full block among the first `lengths[seq]` tokens that is not
-  registered yet, with its chained hash and its parent block, extending `hashes[seq]`.
-- `free(seq)`: release the sequence's blocks **last block first**, so that its first blocks, the ones
-  other requests are most likely to share, are the last to be evicted. Unknown `seq`: `KeyError`.
-"""),
-solution("prefix_cache", r'''
-class PrefixCache:
-    """Sequences over a BlockPool whose full blocks are found again by their chained hash."""
-
-    def __init__(self, n_blocks: int, block_size: int, hash_fn=hash_block, enabled: bool = True):
-        self.pool = BlockPool(n_blocks, block_size)
-        self.block_size, self.hash_fn, self.enabled = block_size, hash_fn, enabled
-        self.tables: dict = {}          # seq -> physical blocks, in logical order
-        self.lengths: dict = {}         # seq -> tokens that have a slot
-        self.hashes: dict = {}          # seq -> chained hashes of its first registered blocks
-        self.prompt_tokens = 0          # over all allocate() calls
-        self.cached_tokens = 0          # of which came from the cache
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def slot(self, seq, p: int) -> int:
-        return self.tables[seq][p // self.block_size] * self.block_size + p % self.block_size
-
-    def match(self, tokens: list[int]) -> list[int]:
-        """Cached blocks of the longest cached run of full blocks of tokens[:-1]."""
-        if not self.enabled:
-            return []
-        ### BEGIN SOLUTION
-        bs, blocks, parent = self.block_size, [], None
-        for i, h in enumerate(block_hashes(tokens[:len(tokens) - 1], bs, self.hash_fn)):
-            block = self.pool.lookup(h, parent, tokens[i * bs:(i + 1) * bs])
-            if block is None:
-                break
-            blocks.append(block)
-            parent = block
-        return blocks
-        ### END SOLUTION
-
-    def allocate(self, seq, tokens: list[int]) -> tuple[int, list[int]]:
-        """Blocks for a new sequence: (tokens found in the cache, slots of the tokens to compute)."""
-        if seq in self.tables:
-            raise ValueError(f"sequence {seq} already has blocks")
-        if len(tokens) == 0:
-            raise ValueError("tokens must hold at least one token")
-        ### BEGIN SOLUTION
-        bs = self.block_size
-        hits = self.match(tokens)
-        need = -(-len(tokens) // bs) - len(hits)
-        free_after = self.pool.n_free - sum(self.pool.ref_count[b] == 0 for b in hits)
-        if need > free_after:
-            raise OutOfBlocks(f"sequence {seq} needs {need} new blocks, but only {free_after} are free")
-        for b in hits:
-            self.pool.share(b)
-        self.tables[seq] = hits + self.pool.take(need)
-        self.lengths[seq] = len(tokens)
-        n_cached = len(hits) * bs
-        self.hashes[seq] = block_hashes(tokens[:n_cached], bs, self.hash_fn)
-        self.prompt_tokens += len(tokens)
-        self.cached_tokens += n_cached
-        return n_cached, [self.slot(seq, p) for p in range(n_cached, len(tokens))]
-        ### END SOLUTION
-
-    def append(self, seq, n: int) -> list[int]:
-        """Slots for n more tokens of seq."""
-        ### BEGIN SOLUTION
-        bs, table, length = self.block_size, self.tables[seq], self.lengths[seq]
-        table.extend(self.pool.take(-(-(length + n) // bs) - len(table)))
-        self.lengths[seq] = length + n
-        return [self.slot(seq, p) for p in range(length, length + n)]
-        ### END SOLUTION
-
-    def commit(self, seq, tokens: list[int]) -> None:
-        """Register seq's computed full blocks (tokens: at least its first lengths[seq] tokens)."""
-        ### BEGIN SOLUTION
-        bs, table, known = self.block_size, self.tables[seq], self.hashes[seq]
-        for i in range(len(known), min(self.lengths[seq], len(tokens)) // bs):
-            block = tuple(tokens[i * bs:(i + 1) * bs])
-            h = self.hash_fn(known[-1] if known else None, block)
-            self.pool.register(table[i], h, table[i - 1] if i else None, block)
-            known.append(h)
-        ### END SOLUTION
-
-    def free(self, seq) -> None:
-        """Release seq's blocks, last block first."""
-        ### BEGIN SOLUTION
-        if seq not in self.tables:
-            raise KeyError(f"sequence {seq} holds no blocks")
-        for b in reversed(self.tables.pop(seq)):
-            self.pool.release(b)
-        del self.lengths[seq], self.hashes[seq]
-        ### END SOLUTION
-'''),
-code(r'''
-pc = PrefixCache(n_blocks=32, block_size=16)
-for seq, p in enumerate(prompts[:3]):
-    n_cached, slots = pc.allocate(seq, p)
-    pc.commit(seq, p)                       # (here nothing is computed: we only watch the bookkeeping)
-    print(f"request {seq}: {len(p)} prompt tokens, {n_cached} from the cache, table {pc.tables[seq]}")
-    pc.free(seq)
-print(f"hit rate {pc.hit_rate:.0%}; blocks in the map: {len(pc.pool.cached)}; free queue: {list(pc.pool.free_queue)}")
-'''),
-tests("prefix_cache_tests", 4, r"""
-pc = PrefixCache(n_blocks=8, block_size=2)
-assert pc.allocate("a", [1, 2, 3, 4, 5]) == (0, [0, 1, 2, 3, 4]) and pc.tables["a"] == [0, 1, 2], "a cold cache: no hit"
-pc.commit("a", [1, 2, 3, 4, 5])
-assert sorted(pc.pool.cached.values()) == [0, 1], "blocks (1, 2) and (3, 4) are registered; the partial block [5] is not"
-assert pc.hashes["a"] == block_hashes([1, 2, 3, 4], 2)
-n, slots = pc.allocate("b", [1, 2, 3, 4, 5])
-assert n == 4 and pc.tables["b"][:2] == [0, 1] and pc.tables["b"][2] != 2, \
-    "b shares the two full blocks; the partial last block is never shared"
-assert slots == [pc.tables["b"][2] * 2] and pc.pool.ref_count[:2] == [2, 2]
-assert pc.allocate("c", [1, 2, 3, 4])[0] == 2, "4 tokens, fully cached: still compute the last block (its logits are needed)"
-assert pc.allocate("d", [9, 9, 3, 4, 5])[0] == 0, "(3, 4) after (9, 9) is another prefix: no hit"
-assert pc.prompt_tokens == 19 and pc.cached_tokens == 6
-pc.free("a")
-assert pc.pool.ref_count[:3] == [2, 1, 0] and list(pc.pool.free_queue)[-1] == 2, "free releases the blocks"
-assert pc.append("b", 1) == [pc.tables["b"][2] * 2 + 1] and pc.append("b", 1) == [pc.tables["b"][3] * 2]
-pc.commit("b", [1, 2, 3, 4, 5, 6, 7])
-assert pc.pool.hash_of[pc.tables["b"][2]] == block_hashes([1, 2, 3, 4, 5, 6], 2)[2], "a block filled while decoding is registered too"
-for s in ("b", "c", "d"):
-    pc.free(s)
-assert pc.pool.n_free == 8 and not any(pc.pool.ref_count)
-# LRU: the oldest released blocks go first; a request's last block is released first
-pc = PrefixCache(n_blocks=6, block_size=2)
-pc.allocate(0, [1, 2, 3, 4, 5]); pc.commit(0, [1, 2, 3, 4, 5]); pc.free(0)
-assert list(pc.pool.free_queue) == [3, 4, 5, 2, 1, 0], "released blocks go to the back, the last block first"
-pc.allocate(1, [7] * 10); pc.free(1)
-assert pc.allocate(2, [1, 2, 3, 4, 5])[0] == 2, "LRU: block (3, 4) must be evicted before block (1, 2)"
-### BEGIN HIDDEN TESTS
-import random
-# eviction never frees a referenced block; contents stay right under random traffic (strong hash)
-""" + HIDDEN_STRESS + r"""
-for bs, n_blocks, seed in ((1, 12, 1), (2, 10, 2), (3, 16, 3), (4, 9, 4)):
-    _stress(hash_block, n_blocks, bs, 300, seed)
-# collisions: weak hashes must never give a wrong hit (the token check)
-for bs, seed in ((2, 5), (3, 6)):
-    pc = _stress(lambda p, t: 0, 12, bs, 250, seed)
-    assert pc.pool.collisions > 0, "with a constant hash every lookup collides; the check must count it"
-    _stress(lambda p, t: (sum(t) + (p or 0)) % 3, 12, bs, 250, seed + 10)
-    _stress(lambda p, t: hash(t) % 5, 12, bs, 250, seed + 20)
-# OutOfBlocks changes nothing, and matched free blocks count against what is free
-pc = PrefixCache(n_blocks=3, block_size=2)
-pc.allocate(0, [1, 2, 3]); pc.commit(0, [1, 2, 3]); pc.free(0)
-pc.allocate(1, [5, 5])
-try:
-    pc.allocate(2, [1, 2, 3, 4, 5])
-except OutOfBlocks:
-    pass
-else:
-    raise AssertionError("block (1, 2) is a hit but is one of the 2 free blocks: 2 more are needed, only 1 is left")
-assert 2 not in pc.tables and pc.pool.ref_count == [0, 0, 1] and list(pc.pool.free_queue) == [1, 0], \
-    "a failed allocate changes nothing"
-assert pc.prompt_tokens == 5 and pc.cached_tokens == 0, "a failed allocate counts nothing"
-assert pc.allocate(3, [1, 2, 9])[0] == 2, "the failed allocate must not have shared or evicted block (1, 2)"
-try:
-    pc.free("nobody")
-except KeyError:
-    pass
-else:
-    raise AssertionError("free of an unknown sequence must raise KeyError")
-# the cache can be switched off: no hits, same bookkeeping
-pc = PrefixCache(n_blocks=6, block_size=2, enabled=False)
-pc.allocate(0, [1, 2, 3]); pc.commit(0, [1, 2, 3]); pc.free(0)
-assert pc.allocate(1, [1, 2, 3])[0] == 0 and pc.hit_rate == 0
-# exact multiples and one-token prompts
-pc = PrefixCache(n_blocks=10, block_size=3)
-pc.allocate(0, [4, 5, 6, 7, 8, 9]); pc.commit(0, [4, 5, 6, 7, 8, 9])
-assert len(pc.pool.cached) == 2, "6 tokens in blocks of 3: both blocks are full and registered"
-assert pc.allocate(1, [4, 5, 6, 7, 8, 9, 1])[0] == 6 and pc.allocate(2, [4])[0] == 0
-assert pc.allocate(3, [4, 5, 6, 7, 8, 9])[0] == 3
-# commit is incremental and idempotent
-before = dict(pc.pool.cached)
-pc.commit(1, [4, 5, 6, 7, 8, 9, 1]); pc.commit(1, [4, 5, 6, 7, 8, 9, 1])
-assert pc.pool.cached == before and pc.hashes[1] == block_hashes([4, 5, 6, 7, 8, 9], 3)
-pc.append(1, 2); pc.commit(1, [4, 5, 6, 7, 8, 9, 1, 2, 3])
-assert pc.hashes[1] == block_hashes([4, 5, 6, 7, 8, 9, 1, 2, 3], 3) and len(pc.pool.cached) == 3
-assert pc.pool.parent_of[pc.tables[1][2]] == pc.tables[1][1], "the parent of a block is the block before it in the table"
-### END HIDDEN TESTS
-"""),
-md(r"""
-## 4. The engine skips what is cached
-
-The engine of lab 05, now on the prefix cache. Lab 05's answers come given below (`write_kv` and the
-reference paged attention), and one new piece: `forward_extend`, a prefill that starts in the middle.
-Lab 05's prefill assumed nothing was cached, so its new tokens attended only to each other. Here the
-new tokens (positions `n_cached` onwards) must also attend to the cached tokens before them. So each
-layer writes the new keys and values into their slots, gathers the first `n_cached + T` keys and values
-of the sequence through its block table, and runs causal attention with the new tokens as queries.
-"""),
-locked("given_paged", r'''
-def write_kv(k_cache, v_cache, k, v, slot_mapping):
-    """Lab 05: store k[i], v[i] (N, Hkv, D) into slot slot_mapping[i]; a negative slot is skipped."""
-    n_blocks, block_size, Hkv, D = k_cache.shape
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(n_blocks * block_size, Hkv, D)[slots] = k[keep]
-    v_cache.view(n_blocks * block_size, Hkv, D)[slots] = v[keep]
-
-
-def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Lab 05: decode attention, q (B, H, D) over each sequence's context_lens[b] tokens through its block table."""
-    B, H, D = q.shape
-    _, block_size, Hkv, _ = k_cache.shape
-    out = torch.empty_like(q)
-    for b in range(B):
-        L = int(context_lens[b])
-        blocks = block_tables[b, :-(-L // block_size)].long()
-        k = k_cache[blocks].reshape(-1, Hkv, D)[:L].float().repeat_interleave(H // Hkv, dim=1)   # (L, H, D)
-        v = v_cache[blocks].reshape(-1, Hkv, D)[:L].float().repeat_interleave(H // Hkv, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale                             # (H, L)
-        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
-    return out
+def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Next-token probabilities (..., V) at a temperature (lab 07); 0 means greedy: all mass on the argmax."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(logits.float() / temperature, dim=-1)
 
 
 @torch.no_grad()
-def forward_extend(model, input_ids, position_ids, cache: PagedKVCache, slot_mapping, block_table: list[int]):
-    """Prefill of one sequence whose first position_ids[0, 0] tokens are already in its blocks.
-    input_ids, position_ids: (1, T), the new tokens; slot_mapping: (T,); returns logits (1, T, V)."""
-    cfg = model.cfg
-    check_ids(input_ids, position_ids, cfg)
-    B, T = input_ids.shape
-    if B != 1 or slot_mapping.shape != (T,):
-        raise ValueError(f"forward_extend takes one sequence: input_ids (1, T) and slot_mapping (T,); "
-                         f"got {(B, T)} and {tuple(slot_mapping.shape)}")
-    H, Hkv, D, bs = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cache.block_size
-    L = int(position_ids[0, -1]) + 1                                        # context: cached + new tokens
-    if len(block_table) * bs < L:
-        raise ValueError(f"the block table holds {len(block_table) * bs} slots; the context needs {L}")
-    blocks = torch.tensor(block_table[:-(-L // bs)], device=cache.device)
-    mask = torch.arange(L, device=cache.device)[None, :] <= position_ids[0, :, None]   # (T, L): causal
-    x, rope = embed(model, input_ids, position_ids)                         # (1, T, C)
-    for i, block in enumerate(model.blocks):
-        q, k, v = project_qkv(model, block, x, rope)                        # (1, H, T, D), (1, Hkv, T, D) x 2
-        k_cache, v_cache = cache.layer(i)
-        write_kv(k_cache, v_cache, k[0].transpose(0, 1).to(k_cache.dtype), v[0].transpose(0, 1).to(v_cache.dtype), slot_mapping)
-        kk = k_cache[blocks].reshape(-1, Hkv, D)[:L].transpose(0, 1)[None].to(q.dtype)   # (1, Hkv, L, D)
-        vv = v_cache[blocks].reshape(-1, Hkv, D)[:L].transpose(0, 1)[None].to(q.dtype)
-        kk, vv = kk.repeat_interleave(cfg.group_size, dim=1), vv.repeat_interleave(cfg.group_size, dim=1)
-        y = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)      # (1, H, T, D)
-        x = x + block.attn.o_proj(y.transpose(1, 2).reshape(1, T, H * D))
-        x = x + block.mlp(block.mlp_norm(x))
-    return model.lm_head(model.norm(x))                                     # (1, T, V)
+def plain_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding with a KV cache: prefill, then one forward pass per new token."""
+    cache = SlotKVCache(model.cfg, n_slots=1, max_len=len(prompt) + max_new_tokens, device=model.device)
+    ids = torch.tensor([prompt], device=model.device)
+    logits = forward_cached(model, ids, torch.arange(len(prompt), device=model.device)[None], cache, SLOT0)[0, -1]
+    out = []
+    for i in range(max_new_tokens):
+        out.append(int(logits.argmax()))
+        if i + 1 < max_new_tokens:
+            pos = torch.tensor([[len(prompt) + i]], device=model.device)
+            logits = forward_cached(model, torch.tensor([[out[-1]]], device=model.device), pos, cache, SLOT0)[0, -1]
+    return out
+
 '''),
 md(r"""
-## Problem 4: Prefill only what is not cached (3 points)
-
-**Deliverable:** `prefill(model, kv, pc, seq, tokens)`: allocate the sequence in the prefix cache `pc`,
-run `forward_extend` over the tokens that did not come from the cache only (with their true positions:
-they start at `n_cached`, not 0), register the new full blocks with `pc.commit`, and return the
-logits of the last token, shape `(V,)`. `kv` is the `PagedKVCache` that holds the keys and values.
+How much more does the target pay to process several new tokens in one pass instead of one? The
+cell fills a cache with a prompt, then times one pass over `T` new tokens for a few `T`.
 """),
-solution("prefill", r'''
-def prefill(model, kv: PagedKVCache, pc: PrefixCache, seq, tokens: list[int]) -> torch.Tensor:
-    """Prefill of a new sequence that skips its cached blocks; logits of its last token (V,)."""
+code(r"""
+prompt_ids = tokenizer("The history of the printing press begins in").input_ids
+sizes = env.pick([1, 2, 4, 8, 16], [1, 4], cpu=[1, 2, 4, 8])
+cost = {}
+with torch.no_grad():
+    cache = SlotKVCache(model.cfg, n_slots=1, max_len=len(prompt_ids) + 32, device=dev)
+    forward_cached(model, torch.tensor([prompt_ids], device=dev), torch.arange(len(prompt_ids), device=dev)[None], cache, SLOT0)
+    def one_pass(T):
+        cache.lengths[0] = len(prompt_ids)                    # forget the last pass: measure the same thing again
+        ids = torch.full((1, T), 100, device=dev)
+        forward_cached(model, ids, len(prompt_ids) + torch.arange(T, device=dev)[None], cache, SLOT0)
+    for T in sizes:
+        cost[T] = benchmark(lambda: one_pass(T), repeats=env.pick(5, 2), device=dev).median
+        print(f"{T:2d} new tokens in one pass: {1000 * cost[T]:6.1f} ms  ({cost[T] / cost[1]:.2f}x one token)")
+"""),
+md(r"""
+Look at the last column. If `T` tokens cost far less than `T` times one token, a pass that checks
+several guesses is cheap, and every accepted guess saves a whole pass. (On a GPU the curve is flatter
+still: a decode step is bound by memory traffic, lab 02.) The plan, for draft length $\gamma$:
+
+1. the draft proposes $\gamma$ tokens $d_1 \dots d_\gamma$, one at a time (it is small, so this is cheap);
+2. the target runs **once** over the last accepted token and the $\gamma$ drafts: its $\gamma + 1$
+   rows of logits give its own distribution at every drafted position, and one more after $d_\gamma$;
+3. keep the longest prefix of drafts the target agrees with, then add **one token from the target**:
+   a correction at the first disagreement, or a **bonus** token from the extra row when all agree.
+
+So each target pass yields between 1 and $\gamma + 1$ tokens. Step 2 writes the drafts' keys and
+values into the target's cache; the rejected ones must then be **removed**.
+
+## 2. A cache that appends several tokens and rolls back
+
+Our caches are lab 04's `SlotKVCache` with one slot (slot 0): `cache.lengths[0]` is how many
+positions are written, `cache.valid[0]` marks them, and `forward_cached` writes a pass's new tokens
+at positions `lengths[0], lengths[0] + 1, ...` and advances the length. Rolling back needs no data to
+move: a position past the length is never read (the causal mask stops at the query's own position)
+and is overwritten by the next pass. So forgetting the last positions is two assignments.
+
+## Problem 1: Append and roll back (3 points)
+
+**Deliverable:** `extend(model, cache, tokens)` runs `model` over the token ids `tokens` (a list)
+in **one** `forward_cached` pass, at the positions that follow what slot 0 already holds, and returns
+their logits `(T, V)`. `rollback(cache, length)` makes slot 0 hold only its first `length` positions:
+the length goes back and the positions from `length` on are marked invalid. It raises `ValueError`
+if `length` is negative or larger than what the slot holds (a cache cannot roll forward).
+"""),
+solution("cache_ops", r'''
+def extend(model, cache: SlotKVCache, tokens: list[int]) -> torch.Tensor:
+    """Append `tokens` to slot 0 in one forward pass; their logits (T, V)."""
     ### BEGIN SOLUTION
-    dev = kv.device
-    n_cached, slots = pc.allocate(seq, tokens)
-    ids = torch.tensor([tokens[n_cached:]], device=dev)                     # (1, T)
-    pos = torch.arange(n_cached, len(tokens), device=dev)[None]             # (1, T)
-    logits = forward_extend(model, ids, pos, kv, torch.tensor(slots, device=dev), pc.tables[seq])
-    pc.commit(seq, tokens)
-    return logits[0, -1]
+    start = int(cache.lengths[0])
+    ids = torch.tensor([list(tokens)], dtype=torch.long, device=model.device)          # (1, T)
+    pos = start + torch.arange(len(tokens), device=model.device)[None]                 # (1, T): after what is cached
+    return forward_cached(model, ids, pos, cache, SLOT0.to(model.device))[0]            # (T, V)
+    ### END SOLUTION
+
+
+def rollback(cache: SlotKVCache, length: int) -> None:
+    """Keep only the first `length` positions of slot 0."""
+    ### BEGIN SOLUTION
+    held = int(cache.lengths[0])
+    if not 0 <= length <= held:
+        raise ValueError(f"length must be in 0..{held} (what slot 0 holds), got {length}")
+    cache.lengths[0] = length
+    cache.valid[0, length:] = False
     ### END SOLUTION
 '''),
-md(r"""
-The engine (given) is lab 05's continuous batching with your prefill: every step, running requests
-get a slot for their newest token and are decoded together; waiting requests are admitted while the
-batch has room, each prefilled on its own (so the next newcomer already finds the blocks of the one
-before); finished requests release their blocks, which stay cached. It records, per request, the
-prompt tokens that came from the cache and how long its prefill took, and a snapshot of the blocks
-after every step for the widget. `Engine(model, n_blocks, block_size, prefix_caching=False)` is the
-same engine with no cache hits: the baseline.
-"""),
-locked("engine", r'''
-@dataclass(eq=False)
-class Request:
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    output: list[int] = field(default_factory=list)
-    n_cached: int = 0          # prompt tokens that came from the cache
-    prefill_s: float = 0.0     # seconds its prefill took: its time to first token once admitted
-
-
-@dataclass
-class Run:
-    outputs: list[list[int]]
-    requests: list[Request]
-    seconds: float
-    steps: list[dict] = field(default_factory=list)     # per step: the widget's snapshot
-    labels: list[str] = field(default_factory=list)
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Prompt tokens actually run through the model."""
-        return sum(len(r.prompt) - r.n_cached for r in self.requests)
-
-
-class Engine:
-    """Greedy continuous batching on a paged KV cache with prefix caching. The cache lives as long as
-    the engine: call run() again (the next turn of a chat) and it still holds the earlier blocks."""
-
-    def __init__(self, model, n_blocks: int, block_size: int, prefix_caching: bool = True, hash_fn=hash_block):
-        self.model = model
-        self.pc = PrefixCache(n_blocks, block_size, hash_fn=hash_fn, enabled=prefix_caching)
-        self.kv = PagedKVCache(model.cfg, n_blocks, block_size, device=model.device)
-
-    def snapshot(self, running) -> dict:
-        pool, bs = self.pc.pool, self.pc.block_size
-        reqs = {r.rid: (list(self.pc.tables[r.rid]), (r.prompt + r.output)[:self.pc.lengths[r.rid]], r.n_cached // bs)
-                for r in running}
-        return {"requests": reqs, "cached": [b for b in pool.free_queue if pool.hash_of[b] is not None]}
-
-    def run(self, requests: list[Request], max_batch_size: int = 4, eos_token_id: int | None = None) -> Run:
-        if not requests or len({r.rid for r in requests}) != len(requests) or any(r.output for r in requests):
-            raise ValueError("requests must be fresh Request objects with distinct rids")
-        dev, pc = self.model.device, self.pc
-        waiting, running, run = deque(requests), [], Run([], list(requests), 0.0)
-        start = clock(dev)
-        while waiting or running:
-            try:
-                decoding = [(r, pc.append(r.rid, 1)[0]) for r in running]
-            except OutOfBlocks as e:
-                raise OutOfBlocks(f"the pool of {pc.pool.n_blocks} blocks is too small for the running requests "
-                                  f"(this engine does not preempt): {e}") from None
-            admitted = []
-            while waiting and len(running) < max_batch_size:
-                r, before, t0 = waiting[0], pc.cached_tokens, clock(dev)
-                try:
-                    logits = prefill(self.model, self.kv, pc, r.rid, r.prompt)
-                except OutOfBlocks:
-                    if running:
-                        break                                   # wait for blocks to be released
-                    raise
-                r.prefill_s, r.n_cached = clock(dev) - t0, pc.cached_tokens - before
-                r.output.append(int(logits.argmax()))
-                waiting.popleft(); running.append(r); admitted.append(r)
-            if decoding:
-                ids = torch.tensor([[r.output[-1]] for r, _ in decoding], device=dev)                        # (B, 1)
-                pos = torch.tensor([[len(r.prompt) + len(r.output) - 1] for r, _ in decoding], device=dev)   # (B, 1)
-                tables = block_table_tensor([pc.tables[r.rid] for r, _ in decoding], dev)
-                lens = torch.tensor([pc.lengths[r.rid] for r, _ in decoding], dtype=torch.int32, device=dev)
-                logits = forward_paged(self.model, ids, pos, self.kv, torch.tensor([s for _, s in decoding], device=dev),
-                                       tables, lens, write_kv=write_kv, attention=paged_attention_ref)
-                for (r, _), tok in zip(decoding, logits[:, -1].argmax(dim=-1).tolist()):
-                    r.output.append(tok)
-                    pc.commit(r.rid, r.prompt + r.output)
-            done = [r for r in running if len(r.output) >= r.max_new_tokens or r.output[-1] == eos_token_id]
-            for r in done:
-                running.remove(r)
-                pc.free(r.rid)
-            run.steps.append(self.snapshot(running))
-            said = [f"admitted {[(r.rid, f'{r.n_cached} of {len(r.prompt)} cached') for r in admitted]}" if admitted else "",
-                    f"finished {[r.rid for r in done]}" if done else ""]
-            run.labels.append(", ".join(s for s in said if s) or "decode")
-        run.seconds = clock(dev) - start
-        run.outputs = [r.output for r in requests]
-        return run
-'''),
-code(r'''
-BLOCK = 16
-new_tokens = env.pick(12, 4, cpu=8)
-def workload(prompts):
-    return [Request(i, p, new_tokens) for i, p in enumerate(prompts)]
-
-runs = {}
-for name, caching in (("no cache", False), ("prefix cache", True)):
-    engine = Engine(model, n_blocks=64, block_size=BLOCK, prefix_caching=caching)
-    runs[name] = engine.run(workload(prompts), max_batch_size=4)
-for name, run in runs.items():
-    print(f"{name:>12}: {run.prefill_tokens} prompt tokens computed, cached per request "
-          f"{[r.n_cached for r in run.requests]}, {run.seconds:.1f} s in all")
-print("same tokens with and without the cache:", runs["no cache"].outputs == runs["prefix cache"].outputs)
-for p, out in list(zip(QUESTIONS, runs["prefix cache"].outputs))[:3]:
-    print(f"  {p!r} -> {tokenizer.decode(out)!r}")
-'''),
-tests("prefill_tests", 3, r"""
-assert runs["no cache"].outputs == runs["prefix cache"].outputs, \
-    "the prefix cache must not change a single token (positions of the new tokens start at n_cached)"
-done = runs["prefix cache"].requests
-def shared_blocks(i):                 # full blocks of prompt i[:-1] that an earlier request computed
-    best = max((common for j in range(i) for common in [next((k for k, (x, y) in enumerate(
-        zip(done[i].prompt[:-1], done[j].prompt + done[j].output[:-1])) if x != y),
-        min(len(done[i].prompt) - 1, len(done[j].prompt) + len(done[j].output) - 1))]), default=0)
-    return best // BLOCK
-assert done[0].n_cached == 0, "the first request finds an empty cache"
-assert all(r.n_cached == shared_blocks(i) * BLOCK for i, r in enumerate(done)), \
-    f"each request must reuse every full block an earlier one computed (the system prompt has {sys_len // BLOCK})"
-assert runs["prefix cache"].prefill_tokens < runs["no cache"].prefill_tokens
+tests("cache_ops_tests", 3, r"""
+with torch.no_grad():
+    seq = tokenizer("Speculative decoding checks many tokens at once").input_ids
+    full = model(torch.tensor([seq], device=dev), torch.arange(len(seq), device=dev)[None])[0]   # (T, V), no cache
+    c = SlotKVCache(model.cfg, n_slots=1, max_len=32, device=dev)
+    a = extend(model, c, seq[:4])
+    b = extend(model, c, seq[4:])
+assert a.shape == (4, model.cfg.vocab_size), f"extend returns one row of logits per token: expected (4, V), got {tuple(a.shape)}"
+assert int(c.lengths[0]) == len(seq), "after two extends the slot holds every token"
+assert torch.allclose(b, full[4:], atol=1e-3), "the second extend must continue at position 4: logits differ from the uncached model"
+rollback(c, 3)
+assert int(c.lengths[0]) == 3 and c.valid[0].sum() == 3, "after rollback(cache, 3) the slot holds exactly 3 valid positions"
+with torch.no_grad():
+    again = extend(model, c, seq[3:6])
+    ref = SlotKVCache(model.cfg, n_slots=1, max_len=32, device=dev)
+    ref_logits = extend(model, ref, seq[:6])
+assert torch.allclose(again, ref_logits[3:], atol=1e-3), "after a rollback, new tokens must see only the kept ones"
+assert torch.allclose(c.k[:, 0, :, :6], ref.k[:, 0, :, :6], atol=1e-4), "the rolled-back cache must equal one built from the kept tokens"
+for bad in (-1, 7):
+    try:
+        rollback(c, bad)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"rollback(cache, {bad}) with 6 positions held must raise ValueError")
 ### BEGIN HIDDEN TESTS
-""" + HIDDEN_REF + r"""
-# tiny models, several block sizes and pool sizes (small pools evict), shared prefixes of every length
-for family, seed, kv in (("llama", 3, 2), ("gpt2", 4, 4), ("llama", 5, 1)):
-    tiny = _tiny(family, seed, kv)
-    g = random.Random(seed)
-    stem = [g.randrange(1, 64) for _ in range(13)]
-    prompts_t = [stem[:n] + [g.randrange(1, 64) for _ in range(k)] for n, k in ((13, 3), (13, 0), (9, 2), (4, 5), (13, 7), (1, 1), (8, 0))]
-    news = [5, 3, 6, 2, 4, 7, 3]
-    refs = [_ref_greedy(tiny, p, n) for p, n in zip(prompts_t, news)]
-    for bs, n_blocks, B in ((4, 64, 1), (1, 80, 3), (3, 14, 2), (2, 40, 4)):
-        eng = Engine(tiny, n_blocks, bs)
-        run = eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(prompts_t, news))], max_batch_size=B)
-        assert run.outputs == refs, f"{family}, block_size {bs}, {n_blocks} blocks: outputs differ from the request alone"
-        assert sum(r.n_cached for r in run.requests) > 0, "shared prefixes must give cache hits"
-        assert eng.pc.pool.n_free == n_blocks, "every block must be released when the requests are done"
-        run2 = eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(prompts_t, news))], max_batch_size=B)
-        assert run2.outputs == refs, f"{family}, block_size {bs}: a second pass over a warm cache changes the outputs"
-        if n_blocks >= 40:
-            assert all(r.n_cached == (len(r.prompt) - 1) // bs * bs for r in run2.requests), \
-                "a big warm cache holds every full block of tokens[:-1]"
-    # a prompt that is an exact block multiple, fully cached: the last block is recomputed
-    eng = Engine(tiny, 20, 4)
-    p = stem[:12]
-    a = eng.run([Request(0, p, 3)]).outputs[0]
-    r = Request(1, p, 3)
-    b = eng.run([r]).outputs[0]
-    assert a == b == _ref_greedy(tiny, p, 3) and r.n_cached == 8
-    # prefill returns the last token's logits for a partly cached prompt
-    eng = Engine(tiny, 20, 4)
-    prefill(tiny, eng.kv, eng.pc, "x", stem); eng.pc.free("x")
-    logits = prefill(tiny, eng.kv, eng.pc, "y", stem[:10] + [7, 7])
+""" + HIDDEN_TINY + r"""
+m = _tiny(1)
+seq = [3, 17, 5, 22, 9, 31, 2, 8, 14, 27, 11]
+full = _full_logits(m, seq)
+c = SlotKVCache(m.cfg, n_slots=1, max_len=64)
+with torch.no_grad():
+    out = [extend(m, c, seq[:5])] + [extend(m, c, [t]) for t in seq[5:8]] + [extend(m, c, seq[8:])]
+assert torch.allclose(torch.cat(out), full, atol=1e-4), "extend in pieces must match the uncached model"
+_same_cache(c, len(seq), _fresh_cache(m, seq), "after extends")
+rollback(c, len(seq))
+_same_cache(c, len(seq), _fresh_cache(m, seq), "rolling back to the current length changes nothing")
+for keep, new in ((7, [4, 4, 19]), (2, [33]), (0, [1, 2, 3]), (3, [6, 7, 8, 9, 10, 12])):
+    rollback(c, keep)
+    _same_cache(c, keep, _fresh_cache(m, seq[:keep]), f"right after rollback(cache, {keep})")
     with torch.no_grad():
-        want = tiny(torch.tensor([stem[:10] + [7, 7]]), torch.arange(12)[None])[0, -1]
-    assert logits.shape == want.shape and (logits - want).abs().max() < 1e-4, "logits of the last token, shape (V,)"
-    assert eng.pc.lengths["y"] == 12 and eng.pc.pool.ref_count[eng.pc.tables["y"][0]] == 1
-# with a colliding hash the outputs stay right (the token check)
-tiny = _tiny("llama", 9, 2)
-g = random.Random(9)
-stem = [g.randrange(1, 64) for _ in range(10)]
-ps = [stem + [g.randrange(1, 64) for _ in range(3)] for _ in range(3)] + [[g.randrange(1, 64) for _ in range(12)] for _ in range(3)]
-refs = [_ref_greedy(tiny, p, 3) for p in ps]
-eng = Engine(tiny, 40, 2, hash_fn=lambda parent, block: 1)
-assert eng.run([Request(i, p, 3) for i, p in enumerate(ps)], max_batch_size=2).outputs == refs, \
-    "with a hash where everything collides, outputs must not change"
+        got = extend(m, c, new)
+    seq = seq[:keep] + new
+    assert torch.allclose(got, _full_logits(m, seq)[keep:], atol=1e-4), f"after rollback to {keep}, extend gives wrong logits"
+    _same_cache(c, len(seq), _fresh_cache(m, seq), f"after rollback to {keep} and extend")
+held = int(c.lengths[0])
+for bad in (-3, held + 1):
+    try:
+        rollback(c, bad)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"rollback to {bad} with {held} positions held must raise ValueError")
+assert int(c.lengths[0]) == held, "a refused rollback must leave the cache as it was"
 ### END HIDDEN TESTS
 """),
 md(r"""
-### See it: which blocks each request reuses
+## 3. Drafters
 
-Your engine's run with the cache, step by step. Each row is a running request: green blocks came
-from the cache (their tokens skipped prefill), blue ones it computed itself, the dashed last block is
-its own partial block. In the pool, blocks in use show their reference count (thick border: shared
-by several requests), and blocks that hold cached tokens but have no user wait in LRU order. Note
-which blocks the first request computes and every later one reuses, and that the partial block at
-the end of the system prompt is recomputed by everyone.
+A draft must be **fast** and must **agree** with the target often. Two kinds, both offline:
+
+**A small model.** The online classic is a smaller model of the same family, with the same tokenizer
+(drafts are token ids, so the two must share a vocabulary): SmolLM2-135M drafting for SmolLM2-360M or
+1.7B, or distilgpt2 for gpt2. None of those can be downloaded here, so we cut a draft out of the
+target itself: its embeddings and its **first 4 of 30 blocks**, then the target's final norm and
+LM head. Used as they are, 4 blocks agree with the full model almost never: the last blocks turn the
+hidden state into a prediction. So the course trained a small **adapter** (two matrices, 1.2 M
+parameters) that maps the hidden state after block 4 to what block 30 would predict, and restricted
+the LM head to the 8,192 most common tokens (the head over all 49,152 tokens would cost as much as
+8 blocks). `assets/draft/train_draft.py` did the training, on the target's own text (it printed its
+time and held-out agreement; both are in the file's metadata, shown below). The draft **shares** the
+target's blocks and embeddings; its own memory is the adapter and a copy of 8,192 rows of the head.
+
+The next cell builds that draft, and also the plain early exit (4 blocks, no adapter), for comparison.
 """),
-code(r'''
-from course.widgets import prefix_blocks
+locked("draft_model", r'''
+import dataclasses
+import json
+from pathlib import Path
 
-def token_texts(ids):
-    return [tokenizer.decode([t]) for t in ids]
+import torch.nn as nn
+import torch.nn.functional as F
+from course.models import Decoder
+from course.models.decoder import RMSNorm
 
-def widget_steps(run):
-    return [{"requests": {f"req {rid}": (tab, token_texts(toks), hits) for rid, (tab, toks, hits) in s["requests"].items()},
-             "cached": s["cached"]} for s in run.steps]
 
-run = runs["prefix cache"]
-prefix_blocks(widget_steps(run), block_size=BLOCK, n_blocks=64, labels=run.labels,
-              title=f"{len(prompts)} requests sharing a system prompt, blocks of {BLOCK}")
+class Adapter(nn.Module):
+    """h + W2 silu(W1 rmsnorm(h)), then the target's final norm: the draft's last layer."""
+
+    def __init__(self, d_model: int, hidden: int, final_norm: nn.Module, eps: float):
+        super().__init__()
+        self.norm, self.final_norm = RMSNorm(d_model, eps), final_norm
+        self.w1, self.w2 = nn.Linear(d_model, hidden, bias=False), nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, h):
+        return self.final_norm(h + self.w2(F.silu(self.w1(self.norm(h)))))
+
+
+class SubsetHead(nn.Module):
+    """The target's LM head over a subset of the vocabulary; every other token gets logit -inf."""
+
+    def __init__(self, lm_head: nn.Linear, vocab: torch.Tensor):
+        super().__init__()
+        self.register_buffer("vocab", vocab.long())
+        self.register_buffer("rows", lm_head.weight.detach()[vocab.long()].clone())   # (8192, C): the subset's rows
+        self.V = lm_head.weight.shape[0]
+
+    def forward(self, x):                                      # (B, T, C) -> (B, T, V)
+        small = x @ self.rows.T                                # (B, T, 8192): 6x cheaper than the full head
+        out = torch.full((*x.shape[:-1], self.V), float("-inf"), dtype=small.dtype, device=x.device)
+        return out.index_copy_(-1, self.vocab, small)
+
+
+def find_asset(*parts: str) -> Path | None:
+    """assets/<parts> of the course checkout, searched upward from here (None when not found)."""
+    for root in (Path.cwd(), *Path.cwd().parents):
+        if (root / "assets" / Path(*parts)).is_file():
+            return root / "assets" / Path(*parts)
+    return None
+
+
+def make_draft(target, n_layers: int = 4, weights: Path | None = None):
+    """A Decoder that runs the target's first n_layers blocks (shared weights); with `weights`, the
+    trained adapter and subset head of train_draft.py, else the target's own norm and head (early exit)."""
+    draft = Decoder.__new__(Decoder)
+    nn.Module.__init__(draft)
+    draft.cfg = dataclasses.replace(target.cfg, n_layer=n_layers)
+    draft.embed, draft.pos_embed = target.embed, target.pos_embed
+    draft.blocks = nn.ModuleList(list(target.blocks[:n_layers]))
+    draft.norm, draft.lm_head = target.norm, target.lm_head
+    if weights is not None:
+        from safetensors.torch import load_file
+        sd = load_file(weights)
+        hidden = sd["adapter.w1.weight"].shape[0]
+        draft.norm = Adapter(target.cfg.d_model, hidden, target.norm, target.cfg.norm_eps)
+        missing, unexpected = draft.norm.load_state_dict(
+            {k.removeprefix("adapter."): v.float() for k, v in sd.items() if k.startswith("adapter.")}, strict=False)
+        if unexpected or any(not k.startswith("final_norm.") for k in missing):   # final_norm is the target's own
+            raise ValueError(f"{weights} does not hold this adapter: missing {missing}, unexpected {unexpected}")
+        draft.lm_head = SubsetHead(target.lm_head, sd["vocab"])
+    return draft.to(target.device).eval()
+
+
+DRAFT_WEIGHTS = find_asset("draft", "draft.safetensors")
+early_exit = make_draft(model, 4)
+if DRAFT_WEIGHTS is None:
+    print("assets/draft/draft.safetensors not found: the draft is the plain early exit (expect few acceptances)")
+    draft, draft_name = early_exit, "early exit"
+else:
+    from safetensors import safe_open
+    with safe_open(DRAFT_WEIGHTS, "pt") as f:
+        draft_info = json.loads(f.metadata()["info"])
+    draft, draft_name = make_draft(model, draft_info["layers"], DRAFT_WEIGHTS), "trained draft"
+    print(f"trained draft: {draft_info['layers']} blocks + adapter, {draft_info['vocab']} token head; "
+          f"trained in {draft_info['seconds']['train']:.0f} s on {draft_info['train_tokens']} tokens "
+          f"(data {draft_info['seconds']['generate'] + draft_info['seconds']['teacher']:.0f} s); held-out agreement "
+          f"with the target {draft_info['agreement_trained']:.0%} (early exit: {draft_info['agreement_early_exit']:.0%})")
 '''),
 md(r"""
-## 5. A radix tree: SGLang's RadixAttention
+The draft proposes tokens the way `plain_generate` does, one pass per token, with its own KV cache.
+Two details make it fit the target's check:
 
-The hash map finds whole blocks, one lookup each. SGLang keeps a **radix tree** instead: a tree of
-token sequences in which each edge holds a run of tokens (with the KV slot of each), and every path
-from the root spells a cached prefix. A new request walks down from the root as far as its tokens
-match; everything on the way is cached.
+- it returns, with each token, the **distribution** $q$ it drew the token from (one row per token,
+  `probs(logits, temperature)`): rejection sampling needs $q$ (at temperature 0, a one-hot row);
+- its cache may lag behind the text: after a step the text has grown by tokens the draft never saw
+  (the target's correction or bonus). So `propose` first feeds the draft every token of `seq` its
+  cache lacks, `seq[L:]` where `L = cache.lengths[0]`, in one pass, and reads the first guess from
+  the last row.
 
-```
-insert "the cat sat", then "the cat ran", then "the dog":
+## Problem 2: The draft proposes (3 points)
 
-root -- "the cat " --+-- "sat"            a node stores its edge: tokens and their slots
-                     +-- "ran"            inserting "the cat ran" SPLIT the edge "the cat sat"
-root -- "the " --+-- "cat " --+-- "sat"   inserting "the dog" splits "the cat " in turn
-                 |            +-- "ran"
-                 +-- "dog"
-```
-
-Three operations carry it:
-- **match**: follow the child whose edge starts with the next token; compare as many tokens as
-  match. If the match ends inside an edge, **split** the edge there, so that the matched prefix ends
-  exactly at a node (the request can then lock it).
-- **insert**: match, then hang the rest as a new leaf (splitting where it diverges). A split must
-  keep everything: the old node keeps its tail and its children, under a new node for the head.
-- **evict**: memory runs out, so remove **leaves**, least recently used first (a tree only shrinks
-  from its leaves: an inner node is a prefix that others still extend). A running request **locks**
-  its matched node: `lock_ref` goes up on it and on every ancestor, and a locked node is never evicted.
-  When a leaf goes, its parent may become a leaf, and may go next.
-
-## Problem 5: The radix tree (5 points)
-
-`Node` and the helpers are given. Each node has `key` (tuple of tokens on the edge into it), `value`
-(list of slots, one per token of `key`), `children` (first token of a child's key -> child), `parent`,
-`lock_ref` and `last_access` (a tick of the tree's clock; `self.touch(node)` sets it to a new tick).
-
-**Deliverable:** the methods of `RadixTree`:
-- `split(node, k)`: cut `node`'s edge after its first `k` tokens (`0 < k < len(node.key)`): a new node
-  takes the first `k` tokens and values and `node`'s place under its parent (same `lock_ref` and
-  `last_access`); `node` keeps the rest and becomes the new node's only child. Return the new node.
-- `match_prefix(tokens)`: `(values, node)`: the slots of the longest stored prefix of `tokens`, and the
-  node where it ends (the root when nothing matches), splitting an edge the match ends inside.
-  Touch every node on the way.
-- `insert(tokens, values)`: store `tokens` with one slot each. Returns how many leading tokens were
-  already stored: those keep their old slots (the caller frees the duplicates). Touch every node on
-  the path, the new leaf included.
-- `lock(node)` / `unlock(node)`: `lock_ref` of `node` and each ancestor (not the root) up / down by one.
-- `evict(n_tokens)`: remove unlocked leaves, least recently used first (smallest `last_access`),
-  until at least `n_tokens` slots are freed or no unlocked leaf is left. Return the freed slots.
+**Deliverable:** `propose(draft, cache, seq, gamma, temperature=0.0, generator=None)` takes a draft
+model, its cache (holding the first `L` tokens of `seq`, `L < len(seq)`) and the token list `seq`,
+and returns `(tokens, q)`: `gamma` new token ids (a list) and their distributions `q`, shape
+`(gamma, V)`. Token `i` is the argmax of row `q[i]` at temperature 0, else one draw from `q[i]` with
+`torch.multinomial(q[i].cpu(), 1, generator=generator)` (the generator lives on the CPU). Each token is fed back (`extend`) so the next one
+sees it, except the last, which no one needs yet: the cache ends holding `len(seq) + gamma - 1`
+positions. Raise `ValueError` if `gamma < 1` or the cache does not hold fewer tokens than `seq`.
 """),
-solution("radix_tree", r'''
-class Node:
-    def __init__(self, key=(), value=(), parent=None):
-        self.key: tuple[int, ...] = tuple(key)     # tokens on the edge into this node
-        self.value: list[int] = list(value)       # one KV slot per token of key
-        self.children: dict[int, "Node"] = {}     # first token of the child's key -> child
-        self.parent: Node | None = parent
-        self.lock_ref = 0                         # running requests using this node (or a descendant)
-        self.last_access = 0
-
-    def __repr__(self):
-        return f"Node(key={self.key}, {len(self.children)} children, lock_ref={self.lock_ref})"
-
-
-def common_length(a, b) -> int:
-    """How many leading items a and b share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-class RadixTree:
-    """Token sequences with one KV slot per token, sharing their common prefixes (SGLang's RadixCache)."""
-
-    def __init__(self):
-        self.root = Node()
-        self.clock = 0
-
-    def touch(self, node: Node) -> None:
-        self.clock += 1
-        node.last_access = self.clock
-
-    def nodes(self):
-        """Every node but the root."""
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
-    def n_tokens(self) -> int:
-        return sum(len(n.key) for n in self.nodes())
-
-    def sequences(self) -> list[tuple[int, ...]]:
-        """The token sequence of every leaf: each stored prefix is a prefix of one of them."""
-        out = []
-        for node in self.nodes():
-            if not node.children:
-                toks, n = [], node
-                while n is not self.root:
-                    toks[:0] = n.key
-                    n = n.parent
-                out.append(tuple(toks))
-        return sorted(out)
-
-    def split(self, node: Node, k: int) -> Node:
-        """A new node for the first k tokens of node's edge, between node and its parent."""
-        if not 0 < k < len(node.key):
-            raise ValueError(f"split needs 0 < k < {len(node.key)}, got {k}")
-        ### BEGIN SOLUTION
-        head = Node(node.key[:k], node.value[:k], node.parent)
-        head.lock_ref, head.last_access = node.lock_ref, node.last_access
-        node.parent.children[node.key[0]] = head
-        node.key, node.value, node.parent = node.key[k:], node.value[k:], head
-        head.children[node.key[0]] = node
-        return head
-        ### END SOLUTION
-
-    def match_prefix(self, tokens) -> tuple[list[int], Node]:
-        """(slots of the longest stored prefix of tokens, the node it ends at)."""
-        tokens = tuple(tokens)
-        ### BEGIN SOLUTION
-        node, i, values = self.root, 0, []
-        while i < len(tokens) and tokens[i] in node.children:
-            child = node.children[tokens[i]]
-            n = common_length(child.key, tokens[i:])
-            if n < len(child.key):
-                child = self.split(child, n)
-            values += child.value
-            i += n
-            node = child
-            self.touch(node)
-        return values, node
-        ### END SOLUTION
-
-    def insert(self, tokens, values) -> int:
-        """Store tokens with their slots; returns how many leading tokens were already stored."""
-        tokens, values = tuple(tokens), list(values)
-        if len(tokens) != len(values):
-            raise ValueError(f"one slot per token: {len(tokens)} tokens, {len(values)} values")
-        ### BEGIN SOLUTION
-        node, i = self.root, 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                leaf = Node(tokens[i:], values[i:], node)
-                node.children[tokens[i]] = leaf
-                self.touch(leaf)
-                return i
-            n = common_length(child.key, tokens[i:])
-            if n < len(child.key):
-                child = self.split(child, n)
-            i += n
-            node = child
-            self.touch(node)
-        return i
-        ### END SOLUTION
-
-    def lock(self, node: Node) -> None:
-        ### BEGIN SOLUTION
-        while node is not self.root:
-            node.lock_ref += 1
-            node = node.parent
-        ### END SOLUTION
-
-    def unlock(self, node: Node) -> None:
-        ### BEGIN SOLUTION
-        while node is not self.root:
-            if node.lock_ref < 1:
-                raise ValueError(f"{node} is not locked")
-            node.lock_ref -= 1
-            node = node.parent
-        ### END SOLUTION
-
-    def evict(self, n_tokens: int) -> list[int]:
-        """Free at least n_tokens slots from unlocked leaves, least recently used first."""
-        ### BEGIN SOLUTION
-        freed = []
-        while len(freed) < n_tokens:
-            leaves = [n for n in self.nodes() if not n.children and n.lock_ref == 0]
-            if not leaves:
-                break
-            victim = min(leaves, key=lambda n: n.last_access)
-            del victim.parent.children[victim.key[0]]
-            freed += victim.value
-        return freed
-        ### END SOLUTION
+solution("propose", r'''
+@torch.no_grad()
+def propose(draft, cache: SlotKVCache, seq: list[int], gamma: int, temperature: float = 0.0,
+            generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor]:
+    """gamma draft tokens after seq, one pass each, and the distribution each came from (gamma, V)."""
+    ### BEGIN SOLUTION
+    start = int(cache.lengths[0])
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    if not start < len(seq):
+        raise ValueError(f"the draft cache holds {start} tokens; it must hold fewer than len(seq) = {len(seq)}")
+    logits = extend(draft, cache, seq[start:])[-1]                  # catch up: every token the cache lacks
+    tokens, qs = [], []
+    for i in range(gamma):
+        q = probs(logits, temperature)                              # (V,)
+        t = int(q.argmax()) if temperature == 0 else int(torch.multinomial(q.cpu(), 1, generator=generator))
+        tokens.append(t)
+        qs.append(q)
+        if i + 1 < gamma:                                           # the last guess is not fed back
+            logits = extend(draft, cache, [t])[-1]
+    return tokens, torch.stack(qs)                                  # (gamma, V)
+    ### END SOLUTION
 '''),
-code(r'''
-tree = RadixTree()
-words = {w: encode(" " + w) for w in ["the cat sat", "the cat ran", "the dog"]}
-next_slot = 0
-for text, toks in words.items():
-    already = tree.insert(toks, list(range(next_slot, next_slot + len(toks))))
-    next_slot += len(toks)
-    print(f"insert {text!r}: {len(toks)} tokens, {already} already stored")
-values, end = tree.match_prefix(encode(" the cat sat down"))
-print(f"match ' the cat sat down': {len(values)} tokens cached, slots {values}")
-print("stored sequences:", [tokenizer.decode(list(s)) for s in tree.sequences()])
-'''),
-tests("radix_match_tests", 3, r"""
-t = RadixTree()
-assert t.insert([1, 2, 3, 4], [10, 11, 12, 13]) == 0 and t.sequences() == [(1, 2, 3, 4)]
-assert t.insert([1, 2, 5], [20, 21, 22]) == 2, "tokens 1, 2 were already stored"
-assert t.sequences() == [(1, 2, 3, 4), (1, 2, 5)], "the split must keep the old suffix (3, 4) and add (5,)"
-head = t.root.children[1]
-assert head.key == (1, 2) and head.value == [10, 11] and set(head.children) == {3, 5}, "the shared edge keeps the first slots"
-assert head.children[3].key == (3, 4) and head.children[3].value == [12, 13] and head.children[3].parent is head
-assert t.match_prefix([1, 2, 3, 9]) == ([10, 11, 12], t.root.children[1].children[3]), \
-    "a match ending inside an edge splits it: the returned node ends exactly at the match"
-assert t.sequences() == [(1, 2, 3, 4), (1, 2, 5)], "splitting on a match loses nothing"
-assert t.match_prefix([7]) == ([], t.root), "no match: no slots, the root"
-assert t.insert([1, 2, 5], [0, 0, 0]) == 3 and t.match_prefix([1, 2, 5])[0] == [10, 11, 22], "stored slots are kept"
-n = Node((1, 2, 3), [7, 8, 9]); r = RadixTree(); r.root.children[1] = n; n.parent = r.root
-h = r.split(n, 1)
-assert h.key == (1,) and n.key == (2, 3) and h.children == {2: n} and r.root.children[1] is h and n.parent is h
+tests("propose_tests", 3, r"""
+seq = tokenizer("The capital of France is Paris. The capital of Italy is").input_ids
+dc = SlotKVCache(draft.cfg, n_slots=1, max_len=64, device=dev)
+tokens, q = propose(draft, dc, seq, 4)
+assert isinstance(tokens, list) and len(tokens) == 4, f"expected a list of 4 token ids, got {tokens!r}"
+assert q.shape == (4, model.cfg.vocab_size), f"q has one row per drafted token: expected (4, V), got {tuple(q.shape)}"
+with torch.no_grad():
+    want, s = [], list(seq)
+    for _ in range(4):                                   # the draft without a cache, one token at a time
+        want.append(int(draft(torch.tensor([s], device=dev), torch.arange(len(s), device=dev)[None])[0, -1].argmax()))
+        s.append(want[-1])
+assert tokens == want, f"greedy drafts must be the draft's argmax tokens {want}, got {tokens}"
+assert torch.equal(q.argmax(-1).cpu(), torch.tensor(want)) and torch.allclose(q.sum(-1), torch.ones(4, device=q.device)), \
+    "at temperature 0 each row of q is one-hot on its token"
+assert int(dc.lengths[0]) == len(seq) + 3, f"the cache ends with len(seq) + gamma - 1 = {len(seq) + 3} positions, got {int(dc.lengths[0])}"
+rollback(dc, len(seq) + 1)                             # as after a step that kept the first draft
+again, _ = propose(draft, dc, seq + [tokens[0], 13], 2)
+assert int(dc.lengths[0]) == len(seq) + 3, "propose must first feed the tokens the cache lacks (here 1), then its drafts"
 ### BEGIN HIDDEN TESTS
-import random
-# random inserts from a small alphabet: every inserted sequence stays fully stored with its first slots
-for seed in range(6):
-    rng = random.Random(seed)
-    t, first_slot, inserted, slot = RadixTree(), {}, [], 0
-    for _ in range(40):
-        base = rng.choice(inserted) if inserted and rng.random() < 0.6 else ()
-        seq = tuple(base[:rng.randint(0, len(base))]) + tuple(rng.randrange(3) for _ in range(rng.randint(0, 5)))
-        if not seq:
-            continue
-        vals = list(range(slot, slot + len(seq))); slot += len(seq)
-        known = max((common_length(seq, s) for s in inserted), default=0)
-        assert t.insert(seq, vals) == known, f"insert must return the stored prefix length {known}"
-        for i in range(len(seq)):
-            first_slot.setdefault(seq[:i + 1], vals[i])
-        inserted.append(seq)
-        query = tuple(rng.randrange(3) for _ in range(rng.randint(1, 7)))
-        for q in (query, seq, seq[:-1]):
-            want = max((common_length(q, s) for s in inserted), default=0)
-            values, node = t.match_prefix(q)
-            assert values == [first_slot[q[:i + 1]] for i in range(want)], \
-                f"match_prefix({q}) must give the slots of the {want} stored tokens"
-            depth, n = 0, node
-            while n is not t.root:
-                depth += len(n.key); n = n.parent
-            assert depth == want, "the returned node must end exactly where the match ends (split inside an edge)"
-        stored = t.sequences()
-        for s in inserted:
-            assert any(x[:len(s)] == s for x in stored), f"{s} was lost: a split dropped a suffix or children"
-        for n in t.nodes():
-            assert n.key and len(n.key) == len(n.value) and n.parent.children[n.key[0]] is n, "broken links after a split"
-            assert all(c.parent is n and c.key[0] == k for k, c in n.children.items())
-    assert t.n_tokens() == len(first_slot), "a stored token appears exactly once in the tree"
-# touches: match and insert update last_access along the path
-t = RadixTree()
-t.insert([1, 2], [0, 1]); t.insert([1, 3], [2, 3])
-a = t.root.children[1].children[2]
-before = a.last_access
-t.match_prefix([1, 2])
-assert a.last_access == t.clock > before and t.root.children[1].last_access == t.clock - 1, "match touches the nodes on its path"
-### END HIDDEN TESTS
-"""),
-tests("radix_evict_tests", 2, r"""
-t = RadixTree()
-t.insert([1, 2, 3], [0, 1, 2]); t.insert([1, 2, 4], [3, 4, 5]); t.insert([7, 8], [6, 7])
-_, node = t.match_prefix([1, 2, 3])                  # now (1, 2, 3) is the most recently used
-t.lock(node)
-assert node.lock_ref == 1 and node.parent.lock_ref == 1 and t.root.lock_ref == 0, "lock the node and its ancestors, not the root"
-assert sorted(t.evict(1)) == [5], "the least recently used unlocked leaf goes first: (4,) under (1, 2)"
-assert sorted(t.evict(100)) == [6, 7] and t.sequences() == [(1, 2, 3)], "locked nodes are never evicted"
-t.unlock(node)
-assert node.lock_ref == 0 and node.parent.lock_ref == 0
-assert sorted(t.evict(1)) == [2] and sorted(t.evict(2)) == [0, 1], "a parent whose last child went is a leaf too"
-assert t.n_tokens() == 0 and t.evict(5) == []
-### BEGIN HIDDEN TESTS
-# LRU across several leaves; eviction stops as soon as enough slots are freed
-t = RadixTree()
-for i, seq in enumerate([(1, 1), (2, 2), (3, 3), (4, 4)]):
-    t.insert(seq, [10 * i, 10 * i + 1])
-t.match_prefix([2, 2]); t.match_prefix([1, 1])
-assert sorted(t.evict(2)) == [20, 21], "(3, 3) is the least recently used"
-assert sorted(t.evict(3)) == [10, 11, 30, 31], "then (4, 4), then (2, 2): eviction stops once 3 or more slots are freed"
-assert t.sequences() == [(1, 1)], "(1, 1) was used last: it stays"
-# locks count: two locks need two unlocks; unlocking an unlocked node raises
-t = RadixTree()
-t.insert([5, 6, 7], [0, 1, 2])
-_, a = t.match_prefix([5, 6])                        # splits: (5, 6) -> (7,)
-_, b = t.match_prefix([5, 6, 7])
-t.lock(a); t.lock(b)
-assert a.lock_ref == 2 and b.lock_ref == 1
-assert t.evict(10) == []
-t.unlock(b)
-assert t.evict(10) == [2] and t.evict(10) == [], "(5, 6) is still locked once"
-t.unlock(a)
-assert sorted(t.evict(10)) == [0, 1]
+""" + HIDDEN_TINY + r"""
+m = _tiny(2)
+seq = [5, 9, 1, 30, 12]
+for temperature, seed in ((0.0, None), (1.0, 3), (0.6, 4)):
+    c = SlotKVCache(m.cfg, n_slots=1, max_len=64)
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    toks, q = propose(m, c, seq, 5, temperature, g)
+    assert len(toks) == 5 and q.shape == (5, 40), f"temperature {temperature}: expected 5 tokens and q (5, 40)"
+    for i in range(5):
+        ref = probs(_full_logits(m, seq + toks[:i])[-1], temperature)
+        assert torch.allclose(q[i].cpu(), ref.cpu(), atol=1e-4), f"temperature {temperature}: q[{i}] must be the draft's distribution after seq + tokens[:{i}]"
+        assert q[i, toks[i]] > 0, "a drafted token must have probability > 0 under its q row"
+    _same_cache(c, len(seq) + 4, _fresh_cache(m, seq + toks[:4]), f"temperature {temperature}: after propose")
+    if seed is not None:
+        g2 = torch.Generator().manual_seed(seed)
+        toks2, _ = propose(m, SlotKVCache(m.cfg, n_slots=1, max_len=64), seq, 5, temperature, g2)
+        assert toks2 == toks, "the same generator seed must give the same drafts: draw with the generator passed in"
+# sampled drafts vary: 60 one-token proposals from a flat row (temperature 5)
+m2 = _tiny(3)
+c = SlotKVCache(m2.cfg, n_slots=1, max_len=8)
+g = torch.Generator().manual_seed(0)
+seen = set()
+for _ in range(60):
+    rollback(c, 0)
+    t, _ = propose(m2, c, [1, 2], 1, 5.0, g)
+    seen.add(t[0])
+assert len(seen) > 5, "at temperature 5 the drafts must vary: draw them, do not take the argmax"
+c = SlotKVCache(m.cfg, n_slots=1, max_len=64)
+toks, _ = propose(m, c, seq, 1)
+assert int(c.lengths[0]) == len(seq), "gamma = 1: the single guess is not fed back"
+for bad in (0, -1):
+    try:
+        propose(m, SlotKVCache(m.cfg, n_slots=1, max_len=64), seq, bad)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"gamma={bad} must raise ValueError")
+full_c = _fresh_cache(m, seq)
 try:
-    t.unlock(a)
+    propose(m, full_c, seq, 2)
 except ValueError:
     pass
 else:
-    raise AssertionError("unlocking a node with lock_ref 0 must raise ValueError")
-# a split copies the lock: a locked prefix stays locked after another request splits it
-t = RadixTree()
-t.insert([1, 2, 3, 4], [0, 1, 2, 3])
-_, leaf = t.match_prefix([1, 2, 3, 4])
-t.lock(leaf)
-t.insert([1, 2, 9], [4, 5, 6])
-assert t.root.children[1].lock_ref == 1, "the new head node of a split keeps the lock count"
-assert t.evict(10) == [6] and t.sequences() == [(1, 2, 3, 4)]
+    raise AssertionError("a cache that already holds all of seq must raise ValueError (nothing to read the next token from)")
 ### END HIDDEN TESTS
 """),
 md(r"""
+**Prompt lookup** (Saxena, 2023; vLLM's `ngram` speculator) needs no model at all. Text often repeats
+itself: code edits copy the code, summaries quote the document, answers reuse the question's words,
+and small models loop. So: take the last few tokens of the text, find where they occurred before,
+and propose the tokens that followed them there. It costs a search through a list, nothing more.
+
+## Problem 3: Prompt lookup (2 points)
+
+**Deliverable:** `ngram_propose(seq, gamma, max_n=3)` returns up to `gamma` proposed tokens (a list,
+possibly empty). For `n = max_n, max_n - 1, ..., 1` (longest first, at most `len(seq) - 1`): look
+for the **most recent** earlier occurrence of the last `n` tokens of `seq`, one that is followed by
+at least one token (so not the suffix itself); at the first `n` that has one, return the up to
+`gamma` tokens that follow that occurrence. No occurrence for any `n`: return `[]`.
+"""),
+solution("ngram", r'''
+def ngram_propose(seq: list[int], gamma: int, max_n: int = 3) -> list[int]:
+    """Up to gamma tokens that followed the most recent earlier occurrence of seq's last n tokens."""
+    ### BEGIN SOLUTION
+    for n in range(min(max_n, len(seq) - 1), 0, -1):
+        suffix = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):              # latest first; must be followed by a token
+            if seq[start:start + n] == suffix:
+                return list(seq[start + n:start + n + gamma])
+    return []
+    ### END SOLUTION
+'''),
+tests("ngram_tests", 2, r"""
+assert ngram_propose([1, 2, 3, 4, 1, 2], 2) == [3, 4], "the last tokens (1, 2) occurred at the start, followed by 3, 4"
+assert ngram_propose([1, 2, 3, 9, 2, 3, 7, 2, 3], 3) == [7, 2, 3], "use the most recent earlier occurrence of (2, 3)"
+assert ngram_propose([5, 6, 7], 4) == [], "nothing repeats: no proposal"
+assert ngram_propose([1, 2, 3, 4, 9, 3, 4], 5, max_n=3) == [9, 3, 4], "at most what follows the match, up to the end of seq"
+### BEGIN HIDDEN TESTS
+assert ngram_propose([8, 1, 2, 3, 5, 7, 2, 3, 6, 4, 1, 2, 3], 2) == [5, 7], \
+    "the longest n first: (1, 2, 3) matches at index 1, though (2, 3) matches more recently"
+assert ngram_propose([8, 1, 2, 3, 5, 7, 2, 3, 6, 4, 1, 2, 3], 2, max_n=2) == [6, 4], "max_n=2: the latest (2, 3)"
+assert ngram_propose([4, 4, 4, 4], 3) == [4], "the match may overlap the suffix; it must be followed by at least one token"
+assert ngram_propose([3, 9, 9, 5, 3], 2) == [9, 9], "fall back to n=1 when no longer n-gram repeats"
+assert ngram_propose([7], 3) == [] and ngram_propose([], 3) == [], "too short to match"
+assert ngram_propose([1, 2, 1, 2, 1, 2], 10, max_n=2) == [1, 2], "latest occurrence of (1, 2) is at index 2: followed by 1, 2"
+assert ngram_propose([1, 2, 3, 1, 2, 3, 1], 1) == [2], "gamma limits the proposal"
+assert ngram_propose([6, 2, 6], 3, max_n=1) == [2, 6], "n=1: the 6 at index 0 is followed by 2, 6"
+seq = [11, 12, 13, 14, 15, 16, 11, 12, 13, 99]
+assert ngram_propose(seq, 3) == [], "99 never occurred before: no n-gram ending with it"
+### END HIDDEN TESTS
+"""),
+md(r"""
+Both drafters get the same interface, so the loop does not care which one it has: `propose(seq,
+gamma, temperature, generator)` returns `(tokens, q)`, and `keep(n)` tells the drafter that only the
+first `n` tokens of the text are still valid (a model drafter rolls its cache back to at most `n`
+positions; prompt lookup has nothing to forget). Prompt lookup is certain of its guesses: its `q`
+rows are one-hot. It may also propose fewer than `gamma` tokens, or none.
+"""),
+locked("drafters", r'''
+class ModelDrafter:
+    """A draft model with its own KV cache (slot 0)."""
+
+    def __init__(self, draft_model, name: str = "draft model"):
+        self.model, self.name, self.cache = draft_model, name, None
+
+    def start(self, max_len: int) -> None:
+        self.cache = SlotKVCache(self.model.cfg, n_slots=1, max_len=max_len, device=self.model.device)
+
+    def propose(self, seq, gamma, temperature=0.0, generator=None):
+        return propose(self.model, self.cache, seq, gamma, temperature, generator)
+
+    def keep(self, n: int) -> None:
+        rollback(self.cache, min(n, int(self.cache.lengths[0])))
+
+
+class NgramDrafter:
+    """Prompt lookup: no model, no cache."""
+
+    def __init__(self, vocab_size: int, max_n: int = 3, name: str = "prompt lookup"):
+        self.V, self.max_n, self.name = vocab_size, max_n, name
+
+    def start(self, max_len: int) -> None:
+        pass
+
+    def propose(self, seq, gamma, temperature=0.0, generator=None):
+        tokens = ngram_propose(seq, gamma, self.max_n)
+        q = torch.zeros(len(tokens), self.V)
+        q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0   # certain: one-hot rows
+        return tokens, q
+
+    def keep(self, n: int) -> None:
+        pass
+'''),
+md(r"""
+## 4. The target's check
+
+The target's pass over `[last token, d_1, ..., d_γ]` gives `γ + 1` rows of logits. Row `i` is the
+target's prediction for the position of `d_{i+1}`; the last row predicts the token after `d_γ`.
+
+**Greedy.** The target would have written its argmax at every position. So `d_1` is right if it
+equals row 0's argmax; if so, row 1 was computed on the right text and checks `d_2`; and so on. At
+the first mismatch, the target's own argmax at that row replaces the draft, and everything after is
+discarded (it was conditioned on a wrong token). If all `γ` match, row `γ` gives one more token: the
+**bonus**. The output is the target's greedy text, token for token, whatever the draft proposed.
+
+## Problem 4: Greedy acceptance (2 points)
+
+**Deliverable:** `verify_greedy(logits, drafted)` takes the target's rows `logits` `(g + 1, V)` and
+the `g` drafted tokens (`g` may be 0) and returns `(n, token)`: `n`, the number of drafts accepted
+(the longest prefix where each draft equals its row's argmax), and `token`, the argmax of row `n`
+(the correction, or the bonus when `n == g`). Raise `ValueError` unless `logits` has `g + 1` rows.
+"""),
+solution("verify_greedy", r'''
+def verify_greedy(logits: torch.Tensor, drafted: list[int]) -> tuple[int, int]:
+    """Accept the drafts that match the target's argmax; then the target's own token (correction or bonus)."""
+    ### BEGIN SOLUTION
+    if logits.dim() != 2 or logits.shape[0] != len(drafted) + 1:
+        raise ValueError(f"logits must have len(drafted) + 1 = {len(drafted) + 1} rows, got shape {tuple(logits.shape)}")
+    best = logits.argmax(dim=-1).tolist()                          # the target's choice at every position
+    n = 0
+    while n < len(drafted) and drafted[n] == best[n]:
+        n += 1
+    return n, best[n]
+    ### END SOLUTION
+'''),
+tests("verify_greedy_tests", 2, r"""
+rows = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 2.0], [4.0, 0.0, 0.0]])   # argmax 1, 0, 2, 0
+assert verify_greedy(rows, [1, 0, 2]) == (3, 0), "all three drafts match: keep them and take the bonus token from the last row"
+assert verify_greedy(rows, [1, 2, 2]) == (1, 0), "the second draft (2) differs from the target's 0: keep 1 draft, then the target's 0"
+assert verify_greedy(rows[:1], []) == (0, 1), "no drafts: the target's own next token, as in plain decoding"
+### BEGIN HIDDEN TESTS
+assert verify_greedy(rows, [2, 0, 2]) == (0, 1), "the first draft is wrong: nothing kept, the target's 1 replaces it"
+assert verify_greedy(rows, [1, 0, 1]) == (2, 2), "the last draft is wrong: keep 2, correct the third"
+assert verify_greedy(rows[:2], [1]) == (1, 0), "one draft accepted: the bonus comes from row 1"
+assert verify_greedy(rows, [1, 1, 2]) == (1, 0), "a draft after a rejection is discarded even if it would match its row"
+g = torch.Generator().manual_seed(5)
+for trial in range(30):
+    k = trial % 5
+    z = torch.randn(k + 1, 12, generator=g)
+    best = z.argmax(-1).tolist()
+    cut = int(torch.randint(0, k + 1, (1,), generator=g))
+    d = best[:cut] + [(b + 1) % 12 for b in best[cut:k]]
+    assert verify_greedy(z, d) == (cut, best[cut]), f"trial {trial}: expected ({cut}, {best[cut]})"
+for bad_rows, d in ((rows, [1, 0]), (rows[:2], [1, 0, 2])):
+    try:
+        verify_greedy(bad_rows, d)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"{bad_rows.shape[0]} rows for {len(d)} drafts must raise ValueError")
+### END HIDDEN TESTS
+"""),
+md(r"""
+**Sampling.** At a temperature above 0 the target's text is random, so "the same text" becomes
+"the same distribution". Draft token $x$ was drawn from the draft's row $q$; the target's row at the
+same position is $p$. The rule of Leviathan et al. (2023) and Chen et al. (2023):
+
+1. accept $x$ with probability $\min\left(1, \frac{p(x)}{q(x)}\right)$ (draw $r$ uniform in $[0, 1)$, accept if $r < p(x) / q(x)$);
+2. on rejection, draw the replacement from the **residual** $\dfrac{\max(0,\ p - q)}{\sum_y \max(0,\ p(y) - q(y))}$ and stop;
+3. if all $\gamma$ drafts are accepted, draw the bonus token from the last row, $p_{\gamma}$.
+
+Why it is exact, for one position: $x$ is proposed with probability $q(x)$ and kept with
+$\min(1, p(x)/q(x))$, so it comes out as an accepted draft with probability $\min(q(x), p(x))$.
+The chance of a rejection is $1 - \sum_y \min(p(y), q(y)) = \sum_y \max(0, p(y) - q(y))$, and then $x$
+comes out with its share of the residual. Adding the two: $\min(p(x), q(x)) + \max(0, p(x) - q(x)) = p(x)$.
+Tokens the draft over-proposes ($q > p$) are thinned out; tokens it under-proposes ($p > q$) are
+topped up by the residual. Both halves matter: resampling from $p$ itself would count the accepted
+mass twice.
+
+## Problem 5: Rejection sampling (4 points)
+
+**Deliverable:** `verify_sample(p, q, drafted, generator=None)` takes the target's rows `p`
+`(g + 1, V)` and the draft's rows `q` `(g, V)` (probabilities, on the CPU) and the `g` drafted tokens,
+and returns `(n, token)`: the number of drafts accepted by the rule above, and the next token (drawn
+from the normalized residual of row `n` after a rejection, or from `p[g]` when all were accepted).
+Draw every random number with `generator` (`torch.rand(1, generator=generator)`,
+`torch.multinomial(row, 1, generator=generator)`). If a residual sums to 0 (it can only happen by
+rounding when `p` equals `q`), draw from `p` of that row. Raise `ValueError` on mismatched shapes.
+"""),
+solution("verify_sample", r'''
+def verify_sample(p: torch.Tensor, q: torch.Tensor, drafted: list[int],
+                  generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Speculative sampling: accept draft i with prob min(1, p/q); else resample from max(0, p - q); bonus from p[g]."""
+    g = len(drafted)
+    if p.dim() != 2 or q.dim() != 2 or p.shape[0] != g + 1 or q.shape[0] != g or (g and q.shape[1] != p.shape[1]):
+        raise ValueError(f"need p (g + 1, V) and q (g, V) for g = {g} drafts, got p {tuple(p.shape)} and q {tuple(q.shape)}")
+    ### BEGIN SOLUTION
+    for i, x in enumerate(drafted):
+        r = torch.rand(1, generator=generator).item()
+        if r * q[i, x] < p[i, x]:                                 # r < p/q without dividing by q
+            continue
+        residual = (p[i] - q[i]).clamp(min=0)                     # what the draft under-proposed
+        if residual.sum() <= 0:
+            residual = p[i]
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return g, int(torch.multinomial(p[g], 1, generator=generator))  # every draft accepted: the bonus
+    ### END SOLUTION
+'''),
+tests("verify_sample_tests", 4, r"""
+p1 = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.10], [0.2, 0.2, 0.2, 0.2, 0.2]])
+q1 = torch.tensor([[0.10, 0.15, 0.25, 0.40, 0.10]])
+n, t = verify_sample(p1, q1, [3], torch.Generator().manual_seed(0))
+assert isinstance(n, int) and isinstance(t, int) and n in (0, 1) and 0 <= t < 5, f"expected (n, token) ints, got {(n, t)!r}"
+assert verify_sample(p1[1:].repeat(3, 1), p1[1:].repeat(2, 1), [0, 4])[0] == 2, "when q equals p every draft is accepted"
+assert verify_sample(torch.tensor([[0.0, 1.0], [0.5, 0.5]]), torch.tensor([[1.0, 0.0]]), [0]) == (0, 1), \
+    "p(x) = 0: the draft x is always rejected, and the residual puts all its mass on token 1"
+# The first token of a step must follow p[0] whatever q is. A chi-square test on 3,500 steps whose
+# drafts are drawn from q, with fixed seeds. For a correct answer and a fresh seed, Pearson's statistic
+# (5 categories, 4 degrees of freedom; every expected count >= 350, so the chi-square law applies)
+# exceeds the threshold with probability P(chi2_4 >= x) = exp(-x/2) (1 + x/2) < 1e-7: the test
+# fails a correct answer less than once in ten million runs.
+g = torch.Generator().manual_seed(1)
+first = torch.zeros(5)
+for x in torch.multinomial(q1[0], 3500, replacement=True, generator=g).tolist():   # the drafts, drawn from q
+    n, t = verify_sample(p1, q1, [x], g)
+    first[x if n == 1 else t] += 1
+expected = 3500 * p1[0]
+stat = float(((first - expected) ** 2 / expected).sum())
+pvalue = torch.exp(torch.tensor(-stat / 2)) * (1 + stat / 2)
+assert pvalue > 1e-7, f"the first token's frequencies {(first / 3500).tolist()} do not follow p = {p1[0].tolist()} (chi-square {stat:.0f})"
+### BEGIN HIDDEN TESTS
+""" + HIDDEN_CHI2 + r"""
+# Each chi-square check below fails a correct answer with probability < 1e-7 (see the visible test);
+# there are 6 of them in this cell, so by the union bound a false failure has probability < 6e-7.
+# Every expected count is >= 350 (N * min p), where the chi-square approximation is accurate.
+P = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.10], [0.10, 0.10, 0.20, 0.25, 0.35], [0.15, 0.35, 0.15, 0.20, 0.15]])
+Q = torch.tensor([[0.10, 0.15, 0.25, 0.40, 0.10], [0.30, 0.05, 0.30, 0.05, 0.30]])
+def _run(P, Q, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    pos = [torch.zeros(5) for _ in range(P.shape[0])]
+    kinds = {"bonus": 0, "rejected": 0}
+    drafts = torch.stack([torch.multinomial(Q[i], N, replacement=True, generator=g) for i in range(Q.shape[0])], 1)
+    for d in drafts.tolist():                                     # each row: the g drafts of one step, drawn from q
+        n, t = verify_sample(P, Q, d, g)
+        assert isinstance(n, int) and 0 <= n <= len(d), f"n must be an int in 0..{len(d)}, got {n!r}"
+        assert isinstance(t, int) and 0 <= t < 5, f"the next token must be an int token id, got {t!r}"
+        out = d[:n] + [t]
+        for i, tok in enumerate(out):
+            pos[i][tok] += 1
+        kinds["bonus" if n == len(d) else "rejected"] += 1
+    return pos, kinds
+pos, kinds = _run(P, Q, 6000, 11)
+assert kinds["bonus"] > 0, "when every draft is accepted, a bonus token must follow"
+assert _chi2_pvalue(pos[0], P[0]) > 1e-7, f"token 1 of a step: frequencies {(pos[0] / pos[0].sum()).tolist()} must follow p[0] {P[0].tolist()}"
+assert _chi2_pvalue(pos[1], P[1]) > 1e-7, f"token 2 of a step: frequencies {(pos[1] / pos[1].sum()).tolist()} must follow p[1] {P[1].tolist()}"
+assert pos[2].sum() >= 2000, "self-check: enough bonus tokens for the test"
+assert _chi2_pvalue(pos[2], P[2]) > 1e-7, f"the bonus token must be drawn from the last row p[g] {P[2].tolist()}, got frequencies {(pos[2] / pos[2].sum()).tolist()}"
+# a certain draft (prompt lookup): q is one-hot; the result must still follow p
+Q1 = torch.zeros(1, 5); Q1[0, 2] = 1.0
+pos, _ = _run(P[:2], Q1, 3500, 12)
+assert _chi2_pvalue(pos[0], P[0]) > 1e-7, f"a one-hot draft: token 1 must still follow p[0], got {(pos[0] / pos[0].sum()).tolist()}"
+Q2 = torch.zeros(1, 5); Q2[0, 0] = 1.0
+pos, _ = _run(P[1:], Q2, 3500, 13)
+assert _chi2_pvalue(pos[0], P[1]) > 1e-7, f"a one-hot draft on an unlikely token: frequencies {(pos[0] / pos[0].sum()).tolist()} must follow {P[1].tolist()}"
+# a draft that over-proposes one token
+Q3 = torch.tensor([[0.05, 0.05, 0.05, 0.05, 0.80]])
+pos, _ = _run(P[1:], Q3, 3500, 14)
+assert _chi2_pvalue(pos[0], P[1]) > 1e-7, f"a draft that over-proposes token 4: frequencies {(pos[0] / pos[0].sum()).tolist()} must follow {P[1].tolist()}"
+# no drafts: a plain draw from p[0], reproducible with the generator
+draws = [[verify_sample(P[:1], Q[:0], [], g) for _ in range(20)] for g in (torch.Generator().manual_seed(3), torch.Generator().manual_seed(3))]
+assert all(n == 0 for n, _ in draws[0]), "no drafts: nothing is accepted"
+assert draws[0] == draws[1] and len({t for _, t in draws[0]}) > 1, "no drafts: one draw from p[0] per call, with the generator passed in"
+runs = [[verify_sample(P, Q, [0, 2], gg) for _ in range(50)] for gg in (torch.Generator().manual_seed(9), torch.Generator().manual_seed(9))]
+assert runs[0] == runs[1], "the same generator seed must give the same results: draw every random number with the generator"
+for bad in ((P, Q[:1], [1, 2]), (P[:2], Q, [1, 2])):
+    try:
+        verify_sample(*bad)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("mismatched p, q and drafts must raise ValueError")
+### END HIDDEN TESTS
+"""),
+md(r"""
+## 5. One speculative step
+
+Now the whole step. The text is a list `seq` of token ids. Between steps, the target's cache holds
+the first `L = len(seq) - 1` tokens (the last token has not been through the target yet: its
+logits are what we need next). At the very first step the cache is empty (`L = 0`) and the pass is
+also the prefill. A step:
+
+1. `drafted, q = drafter.propose(seq, gamma, temperature, generator)`;
+2. **one** target pass: `extend(target, tcache, seq[L:] + drafted)`, whose last `len(drafted) + 1` rows are the check;
+3. `(n, token)` from `verify_greedy` (temperature 0) or `verify_sample` (on `probs(rows, temperature)`);
+4. `seq` grows by `drafted[:n] + [token]`;
+5. both caches forget what was rejected: the target's cache is rolled back to `len(seq) - 1`
+   positions, and `drafter.keep(len(seq) - 1)` does the same for the draft's.
+
+Check the arithmetic of step 5 on an example: `seq` had 10 tokens, the target's cache 9, and 4 drafts
+came in; the pass leaves 14 positions in the cache. With 2 accepted, `seq` has 13 tokens, and the
+cache must keep 12: positions 12 and 13 hold the rejected drafts' keys.
+
+## Problem 6: A speculative step (4 points)
+
+**Deliverable:** `speculative_step(target, tcache, drafter, seq, gamma, temperature=0.0,
+generator=None)` performs the step above: it appends the step's tokens to `seq` **in place**, leaves
+both caches holding `len(seq) - 1` tokens at most (the target's exactly that many) and returns
+`(drafted, n, token)`. It runs the target exactly once. It works when the drafter proposes fewer
+than `gamma` tokens, or none.
+"""),
+solution("speculative_step", r'''
+@torch.no_grad()
+def speculative_step(target, tcache: SlotKVCache, drafter, seq: list[int], gamma: int, temperature: float = 0.0,
+                     generator: torch.Generator | None = None) -> tuple[list[int], int, int]:
+    """Draft, check in one target pass, keep the agreed prefix plus one target token, roll both caches back."""
+    ### BEGIN SOLUTION
+    start = int(tcache.lengths[0])
+    drafted, q = drafter.propose(seq, gamma, temperature, generator)
+    rows = extend(target, tcache, seq[start:] + drafted)[-(len(drafted) + 1):]     # (g + 1, V): the one pass
+    if temperature == 0:
+        n, token = verify_greedy(rows, drafted)
+    else:
+        n, token = verify_sample(probs(rows, temperature).cpu(), q.cpu(), drafted, generator)
+    seq.extend(drafted[:n] + [token])
+    rollback(tcache, len(seq) - 1)                                 # drop the rejected drafts' keys and values
+    drafter.keep(len(seq) - 1)                                     # and the draft's
+    return drafted, n, token
+    ### END SOLUTION
+'''),
+md(r"""
+The loop around it is given: it runs steps until `max_new_tokens` tokens are out (the last step may
+overshoot; the extra tokens are cut) and records every step for the trace. It does not stop at the
+end-of-sequence token, like `plain_generate`, so the two can be compared token for token.
+"""),
+locked("speculative_generate", r'''
+def speculative_generate(target, drafter, prompt: list[int], max_new_tokens: int, gamma: int,
+                         temperature: float = 0.0, seed: int | None = None):
+    """New tokens and the steps [(drafted, n_accepted, token), ...]: one target pass per step."""
+    max_len = len(prompt) + max_new_tokens + gamma + 1
+    tcache = SlotKVCache(target.cfg, n_slots=1, max_len=max_len, device=target.device)
+    drafter.start(max_len)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    seq, steps = list(prompt), []
+    while len(seq) < len(prompt) + max_new_tokens:
+        before = len(seq)
+        steps.append(speculative_step(target, tcache, drafter, seq, gamma, temperature, generator))
+        if len(seq) <= before:
+            raise RuntimeError("speculative_step added no token to seq: every step must add at least the target's token")
+    return seq[len(prompt):len(prompt) + max_new_tokens], steps
+'''),
+tests("speculative_step_tests", 4, r"""
+passes = []
+hook = model.blocks[-1].mlp.register_forward_hook(lambda *a: passes.append(1))   # the draft has no block 30: counts target passes
+try:
+    story = tokenizer("Once upon a time, a little robot").input_ids
+    want = plain_generate(model, story, 20)
+    for drafter in (ModelDrafter(draft), NgramDrafter(model.cfg.vocab_size)):
+        passes.clear()
+        got, steps = speculative_generate(model, drafter, story, 20, gamma=4)
+        assert got == want, f"{drafter.name}: greedy speculative decoding must give the target's greedy text.\n" \
+                            f"expected {tokenizer.decode(want)!r}\ngot      {tokenizer.decode(got)!r}"
+        assert len(passes) == len(steps), f"{drafter.name}: one target pass per step: {len(steps)} steps, {len(passes)} passes"
+        assert sum(n + 1 for _, n, _ in steps) >= 20, "each step adds its accepted drafts plus one target token"
+finally:
+    hook.remove()
+### BEGIN HIDDEN TESTS
+""" + HIDDEN_TINY + r"""
+tgt = _tiny(7, V=40, layers=2)
+for dseed, scale in ((8, 0.05), (9, 0.15)):
+    dm = _perturbed(tgt, dseed, scale)
+    prompt = [3, 14, 15, 9, 26]
+    ref = plain_generate(tgt, prompt, 30)                        # checked against the uncached model below
+    assert ref[:8] == [int(_full_logits(tgt, prompt + ref[:i])[-1].argmax()) for i in range(8)], "self-check"
+    ref = prompt + ref
+    for gamma in (1, 4):
+        drafter = ModelDrafter(dm)
+        tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
+        drafter.start(64)
+        seq, accepted = list(prompt), 0
+        while len(seq) < len(prompt) + 24:
+            before = len(seq)
+            drafted, n, tok = speculative_step(tgt, tcache, drafter, seq, gamma)
+            accepted += n
+            assert len(drafted) == gamma and 0 <= n <= gamma, f"gamma={gamma}: the model drafter proposes gamma tokens"
+            assert len(seq) == before + n + 1, f"seq must grow by n + 1 = {n + 1} tokens, grew by {len(seq) - before}"
+            assert seq[before:] == drafted[:n] + [tok], "seq gains the accepted drafts, then the target's token"
+            assert seq == ref[:len(seq)], f"gamma={gamma}: the text departs from the target's greedy text"
+            _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), f"gamma={gamma}, target cache after a step")
+            held = int(drafter.cache.lengths[0])
+            assert held <= len(seq) - 1, f"gamma={gamma}: the draft cache still holds {held} positions; roll it back to at most len(seq) - 1 = {len(seq) - 1}"
+            _same_cache(drafter.cache, held, _fresh_cache(dm, seq[:held]), f"gamma={gamma}, draft cache after a step")
+        assert 0 < accepted, "self-check: the perturbed draft agrees some of the time"
+# the target as its own draft: every draft is accepted and every step ends with a bonus token
+same = ModelDrafter(tgt)
+out, steps = speculative_generate(tgt, same, [1, 2, 3], 20, gamma=3)
+assert all(n == 3 for _, n, _ in steps), "a draft identical to the target must have every draft accepted"
+assert len(steps) == 5, f"20 tokens at 4 tokens per pass (3 drafts + the bonus) take 5 target passes, took {len(steps)}"
+assert out == plain_generate(tgt, [1, 2, 3], 20), "with the target as its own draft, the output must still be its greedy text"
+# sampling: reproducible; with the target as its own draft, everything is accepted
+a = speculative_generate(tgt, ModelDrafter(tgt), [1, 2, 3], 16, gamma=2, temperature=1.0, seed=4)
+b = speculative_generate(tgt, ModelDrafter(tgt), [1, 2, 3], 16, gamma=2, temperature=1.0, seed=4)
+assert a == b, "the same seed must give the same sampled text"
+assert all(n == len(d) for d, n, _ in a[1]), "at temperature 1 a draft equal to the target is always accepted (p = q)"
+dm = _perturbed(tgt, 10, 0.15)
+for temperature in (0.7, 1.0):
+    drafter, tcache = ModelDrafter(dm), SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
+    drafter.start(64)
+    seq, g = [7, 8, 9], torch.Generator().manual_seed(1)
+    while len(seq) < 30:
+        speculative_step(tgt, tcache, drafter, seq, 4, temperature, g)
+        _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), f"temperature {temperature}: target cache")
+        held = int(drafter.cache.lengths[0])
+        assert held <= len(seq) - 1, f"temperature {temperature}: roll the draft cache back"
+        _same_cache(drafter.cache, held, _fresh_cache(dm, seq[:held]), f"temperature {temperature}: draft cache")
+# prompt lookup: fewer than gamma drafts, or none
+looped = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+ng = NgramDrafter(40)
+tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
+seq = list(looped)
+drafted, n, tok = speculative_step(tgt, tcache, ng, seq, 6)
+assert drafted == [7, 8, 5, 6], "self-check"
+ref = list(looped)
+for _ in range(n + 1):
+    ref.append(int(_full_logits(tgt, ref)[-1].argmax()))
+assert seq == ref, "prompt lookup step: the text must follow the target's greedy choice"
+_same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), "after a prompt-lookup step")
+seq = [1, 2, 3]
+tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
+drafted, n, tok = speculative_step(tgt, tcache, ng, seq, 4)
+assert drafted == [] and n == 0 and seq == [1, 2, 3, int(_full_logits(tgt, [1, 2, 3])[-1].argmax())], \
+    "no drafts: the step is a plain decoding step"
+_same_cache(tcache, 3, _fresh_cache(tgt, [1, 2, 3]), "after a step without drafts")
+assert len(seq) == 4, "a step without drafts adds exactly one token"
+### END HIDDEN TESTS
+"""),
+md(r"""
+### See it: the trace
+
+Every step of a run, replayed. Underlined green: drafts the target accepted; struck-out red: the
+first rejected draft; grey: drafts after it, discarded unchecked; orange: the target's correction;
+blue: a bonus token (all drafts passed); light grey: a plain step (no draft to check). Pick a drafter and move the slider: one position is one
+target pass. The table lists the latest passes.
+"""),
+code(r"""
+from course.widgets import spec_trace
+
+trace_prompt = "Once upon a time, there was a fox who"
+trace_ids = tokenizer(trace_prompt).input_ids
+trace_new = env.pick(64, 24, cpu=40)
+runs = {}
+for drafter in (ModelDrafter(draft, draft_name), NgramDrafter(model.cfg.vocab_size)):
+    _, runs[drafter.name] = speculative_generate(model, drafter, trace_ids, trace_new, gamma=4)
+spec_trace(runs, lambda t: tokenizer.decode([t]), prompt=trace_prompt)
+"""),
+md(r"""
+Where does the trained draft fail? Often on the first token of a new idea (a name, a number, a
+rare word: the draft's head does not even have most rare tokens) and rarely inside a common phrase.
+Prompt lookup proposes nothing at first, then shines once the text starts to repeat itself.
+
 ## 6. Measure
 
-### Prefill saved and time to first token: a shared system prompt
+Three numbers per drafter and draft length $\gamma$:
 
-The run of section 4 already counted the prompt tokens each engine computed. Now the time a user
-waits: the prefill of one new question, with the system prompt cached (from earlier questions) or not.
-Each timed call asks a **different** question, so only the system prompt can come from the cache, as
-on a real server. `course.timing.benchmark` warms up first and reports the median.
+- **acceptance rate** $\alpha$: accepted drafts over *checked* drafts (the accepted ones plus the
+  one rejection that ends a step; drafts discarded after it were never checked);
+- **tokens per target pass**: new tokens over steps. If each draft were accepted independently
+  with probability $\alpha$, a step would yield $1 + \alpha + \alpha^2 + \dots + \alpha^\gamma =
+  \frac{1 - \alpha^{\gamma+1}}{1 - \alpha}$ tokens (Leviathan et al., 2023). Compare;
+- **speedup**: the wall time of `plain_generate` over that of `speculative_generate`, same prompt,
+  same number of tokens. It depends on the draft's cost too: $\gamma$ draft passes per step.
+
+A few prompts the draft never saw in training. The cell prints a table and plots it; it takes about
+a minute on a CPU (more prompts, tokens and values of $\gamma$ on a GPU). Timings on a shared or busy
+machine are noisy: rerun the cell if a number looks odd.
 """),
-code(r'''
-def ttft(caching: bool, questions) -> float:
-    """Median prefill time of one new question after the system prompt, over different questions."""
-    engine = Engine(model, n_blocks=64, block_size=BLOCK, prefix_caching=caching)
-    asked = iter(questions)
-    def ask():
-        q = next(asked)
-        prefill(model, engine.kv, engine.pc, q, chat_prompt(system, q))
-        engine.pc.free(q)
-    repeats = len(questions) - 1                                        # one question for the warm-up
-    return benchmark(ask, warmup=1, repeats=repeats, device=dev).median
+code(r"""
+import matplotlib.pyplot as plt
+import numpy as np
+from course.widgets.spec_trace import trace_stats
 
-asked = [f"Question {i}: " + q for i, q in enumerate(QUESTIONS[:env.pick(6, 3)])]
-times = {name: ttft(caching, asked) for name, caching in (("no cache", False), ("prefix cache", True))}
-saved = runs["no cache"].prefill_tokens - runs["prefix cache"].prefill_tokens
-print(f"shared system prompt, {len(prompts)} requests: {runs['no cache'].prefill_tokens} prompt tokens computed "
-      f"without the cache, {runs['prefix cache'].prefill_tokens} with it "
-      f"({saved} saved, {100 * saved / runs['no cache'].prefill_tokens:.0f}%)")
-for name, s in times.items():
-    print(f"  time to first token, {name:>12}: {1e3 * s:6.0f} ms")
-print(f"  speedup {times['no cache'] / times['prefix cache']:.1f}x")
-'''),
-md(r"""
-### A multi-turn chat
+measure_texts = ["The history of the printing press begins in", "Here is a simple recipe for banana bread:",
+                 "def bubble_sort(items):\n    ", "My grandfather told me a story about"]
+n_prompts, new_tokens = env.pick((4, 96), (1, 16), cpu=(2, 32))
+gammas = env.pick([1, 2, 3, 4, 6, 8], [2], cpu=[1, 2, 4])
+measure_prompts = [tokenizer(t).input_ids for t in measure_texts[:n_prompts]]
+repeats = env.pick(3, 1, cpu=1)
 
-In a chat, every turn sends the whole conversation again: system prompt, earlier questions and
-earlier **answers**. The engine registered the blocks it filled while decoding, so the previous
-answer is in the cache too. Below, one conversation through two engines that both live across the
-turns: per turn, the prompt's length, how much of it came from the cache, and the prefill time.
-"""),
-code(r'''
-turns = ["Hi! I ordered a book on Monday.", "When will it arrive?", "Can I still change the address?",
-         "And if I do not like it, can I return it?", "Thanks. Do you also sell e-books?"][:env.pick(5, 3)]
-chat = {name: Engine(model, n_blocks=128, block_size=BLOCK, prefix_caching=caching)
-        for name, caching in (("no cache", False), ("prefix cache", True))}
-history, rows = encode(f"System: {system}\n"), []
-for i, user in enumerate(turns):
-    prompt = history + encode(f"User: {user}\nAssistant:")
-    done = {name: eng.run([Request(i, prompt, env.pick(16, 4, cpu=10))]).requests[0] for name, eng in chat.items()}
-    assert done["no cache"].output == done["prefix cache"].output, "the cache changed an answer"
-    answer = done["prefix cache"].output
-    rows.append((i + 1, len(prompt), done["prefix cache"].n_cached, done["no cache"].prefill_s, done["prefix cache"].prefill_s))
-    history = prompt + answer + encode("\n")
-print("turn  prompt  cached  prefill no cache  prefill cache")
-for turn, n, hit, t0, t1 in rows:
-    print(f"{turn:>4}  {n:>6}  {hit:>6}  {1e3 * t0:>13.0f} ms  {1e3 * t1:>10.0f} ms")
-print(f"over the chat: {sum(r[2] for r in rows)} of {sum(r[1] for r in rows)} prompt tokens came from the cache")
+def run_all(drafter, gamma, temperature=0.0):
+    '''Steps of every prompt, and the median wall time of generating them all.'''
+    out = {}
+    def run():
+        out["steps"] = [s for p in measure_prompts for s in speculative_generate(model, drafter, p, new_tokens, gamma, temperature, seed=0)[1]]
+    seconds = benchmark(run, warmup=0, repeats=repeats, device=dev).median
+    return out["steps"], seconds
 
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3))
-x = np.arange(len(rows))
-ax1.bar(x - 0.2, [r[1] for r in rows], 0.4, label="no cache"); ax1.bar(x + 0.2, [r[1] - r[2] for r in rows], 0.4, label="prefix cache")
-ax1.set_xticks(x, [f"turn {r[0]}" for r in rows]); ax1.set_ylabel("prompt tokens computed"); ax1.legend()
-ax2.plot(x + 1, [1e3 * r[3] for r in rows], "o-", label="no cache"); ax2.plot(x + 1, [1e3 * r[4] for r in rows], "o-", label="prefix cache")
-ax2.set_xlabel("turn"); ax2.set_ylabel("prefill time (ms)"); ax2.legend()
-for ax in (ax1, ax2):
+base = benchmark(lambda: [plain_generate(model, p, new_tokens) for p in measure_prompts], repeats=repeats, device=dev).median
+print(f"plain cached greedy decoding: {n_prompts * new_tokens / base:.1f} tokens/s ({n_prompts} prompts x {new_tokens} tokens)\n")
+drafters = {draft_name: ModelDrafter(draft, draft_name), "prompt lookup": NgramDrafter(model.cfg.vocab_size)}
+rows = {}
+print(f"{'drafter':15} {'gamma':>5} {'accept':>7} {'tok/pass':>8} {'formula':>8} {'tokens/s':>9} {'speedup':>8}")
+for name, drafter in drafters.items():
+    for gamma in gammas:
+        steps, secs = run_all(drafter, gamma)
+        st = trace_stats(steps)
+        a = st.acceptance_rate
+        formula = gamma + 1.0 if a == 1 else (1 - a ** (gamma + 1)) / (1 - a)     # nan when nothing was checked
+        rows[name, gamma] = dict(alpha=a, per_pass=st.tokens_per_pass, formula=formula, speedup=base / secs)
+        print(f"{name:15} {gamma:5d} {a:7.2f} {st.tokens_per_pass:8.2f} {formula:8.2f} "
+              f"{n_prompts * new_tokens / secs:9.1f} {base / secs:7.2f}x")
+ee_steps, _ = run_all(ModelDrafter(early_exit, "early exit"), gammas[0])
+print(f"\nuntrained early exit (4 blocks, full head), gamma {gammas[0]}: acceptance rate {trace_stats(ee_steps).acceptance_rate:.2f}")
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+for name, color in zip(drafters, ("C0", "C2")):
+    xs = gammas
+    axes[0].plot(xs, [rows[name, g]["per_pass"] for g in xs], "o", color=color, label=f"{name}: measured")
+    axes[0].plot(xs, [rows[name, g]["formula"] for g in xs], "x--", color=color, label=f"{name}: (1-a^(g+1))/(1-a)")
+    axes[1].plot(xs, [rows[name, g]["speedup"] for g in xs], "o-", color=color, label=name)
+axes[0].set_xlabel("draft length gamma"); axes[0].set_ylabel("tokens per target pass"); axes[0].legend(fontsize=8)
+axes[1].axhline(1, color="gray", lw=1); axes[1].set_xlabel("draft length gamma"); axes[1].set_ylabel("speedup over plain decoding")
+axes[1].legend(fontsize=8)
+for ax in axes:
     ax.grid(alpha=0.3)
 plt.tight_layout(); plt.show()
-'''),
-md(r"""
-Without the cache, prefill grows with the whole conversation at every turn: the total work grows with
-the square of the number of turns. With it, each turn computes only its new message, the last token
-of the previous answer and the partial blocks around them. (Turn 1 has nothing to reuse: there the two
-times differ only by noise.)
-
-### Hit rate against cache size, and the radix tree against the hashes
-
-How big must the cache be? That depends on the traffic. Below, a simulated server (token ids only, no
-model, so it runs in a second): a few system prompts of different lengths, some far more popular than
-others, each request one of them plus its own question, then an answer. Requests come one at a time;
-after each, the blocks are released and stay cached until evicted. The hit rate is the share of prompt
-tokens found in the cache.
-
-The same traffic also goes through your radix tree, with the same number of token slots: match,
-lock, compute the rest, insert the request's tokens, unlock, and evict leaves when the slots run out.
 """),
-code(r'''
-def traffic(n_requests, seed=0):
-    rng = np.random.default_rng(seed)
-    systems = [rng.integers(0, 5000, n).tolist() for n in (250, 180, 120, 90, 60, 40)]
-    popularity = 1 / np.arange(1, len(systems) + 1)                  # Zipf-like: a few prompts dominate
-    picks = rng.choice(len(systems), n_requests, p=popularity / popularity.sum())
-    return [(systems[k] + rng.integers(0, 5000, rng.integers(8, 40)).tolist(), rng.integers(0, 5000, 16).tolist())
-            for k in picks]
-
-def hash_hit_rate(reqs, n_blocks, block_size):
-    pc = PrefixCache(n_blocks, block_size)
-    for i, (prompt, answer) in enumerate(reqs):
-        pc.allocate(i, prompt); pc.commit(i, prompt)
-        pc.append(i, len(answer)); pc.commit(i, prompt + answer)
-        pc.free(i)
-    return pc.hit_rate
-
-def radix_hit_rate(reqs, n_slots):
-    tree, free, hit, total = RadixTree(), list(range(n_slots)), 0, 0
-    for prompt, answer in reqs:
-        values, last = tree.match_prefix(prompt[:-1])
-        tree.lock(last)
-        hit, total = hit + len(values), total + len(prompt)
-        tokens = prompt + answer
-        need = len(tokens) - len(values)
-        if need > len(free):
-            free += tree.evict(need - len(free))
-        new, free = free[:need], free[need:]
-        tree.unlock(last)
-        already = tree.insert(tokens, values + new)
-        free += (values + new)[len(values):already]                 # slots of tokens that were stored already
-    return hit / total
-
-reqs = traffic(env.pick(400, 120))
-sizes = [24, 32, 48, 64, 96, 128, 256]
-hash_rates = [hash_hit_rate(reqs, n, 16) for n in sizes]
-radix_rates = [radix_hit_rate(reqs, n * 16) for n in sizes]
-for n, h, r in zip(sizes, hash_rates, radix_rates):
-    print(f"{n:>4} blocks of 16 ({n * 16:>5} tokens): hash {100 * h:5.1f}%   radix tree {100 * r:5.1f}%")
-plt.figure(figsize=(6, 3))
-plt.plot([n * 16 for n in sizes], [100 * h for h in hash_rates], "o-", label="hashed blocks of 16")
-plt.plot([n * 16 for n in sizes], [100 * r for r in radix_rates], "s--", label="radix tree (per token)")
-plt.xscale("log", base=2); plt.xlabel("cache size (tokens)"); plt.ylabel("prompt tokens from the cache (%)")
-plt.grid(alpha=0.3); plt.legend(); plt.tight_layout(); plt.show()
-'''),
 md(r"""
-Read your plot. When the cache is smaller than the popular prompts together, requests evict what the
-next ones need, and the hit rate is low. Once it holds them, the hit rate levels off at what the
-traffic allows: the questions themselves are new, so no cache can serve them. With a large cache the
-radix tree reuses a little more of every prompt: it matches token by token, while the hashes stop at
-the last full block and recompute the partial one (up to `block_size - 1` tokens per request). With a
-small cache the two differ in what they evict (whole leaves against single blocks), and which does
-better depends on the traffic: look at what your run shows.
+Read your table:
 
-What each scheme is good at:
+- Does the formula track the measured tokens per pass? It assumes every draft is accepted with the
+  same probability, independently. Prompt lookup breaks that twice: it proposes fewer than $\gamma$
+  tokens (or none) when no n-gram matches, and its guesses come in runs (a repeated passage is
+  right for many tokens, then wrong).
+- Why does the speedup stop growing, or fall, with $\gamma$, while tokens per pass keep rising? Each
+  extra draft costs a draft pass for sure and pays only if all earlier drafts were accepted. With
+  draft cost $c$ (a draft pass over a target pass) the expected speedup is
+  $\frac{1 - \alpha^{\gamma+1}}{(1 - \alpha)(\gamma c + 1)}$, assuming a target pass over
+  $\gamma + 1$ tokens costs what a pass over one does (check that against your first measurement).
+- The untrained early exit is what you get from a draft that does not match the target: almost
+  nothing is accepted, and the draft passes are pure loss. Training the adapter is what made the
+  4-block draft useful.
 
-| | hashed blocks (vLLM) | radix tree (SGLang) |
-|---|---|---|
-| lookup | one dict lookup per block, independent of everything else in the cache | a walk down the tree, comparing tokens |
-| granularity | whole blocks only; the partial last block is never shared | any token; edges split where prompts diverge |
-| structure | flat: blocks and a map, the allocator of lab 05 barely changes | a tree to keep consistent (splits, parents, locks) |
-| eviction | any unused block, LRU; a block whose parent is gone is simply never reached | leaves only, LRU, with locks up the path |
-| also gives | a stable name per block: easy to share across processes and machines (KV offloading, disaggregation) | the structure of the traffic: schedulers that run requests with a common prefix together (SGLang's cache-aware scheduling) |
+### Sampling
 
+At temperature 1 the check is the rejection rule, and acceptance depends on how close the draft's
+whole distribution is to the target's: $\alpha = \sum_x \min(p(x), q(x))$ on average, not just
+agreement on the top token.
+"""),
+code(r"""
+sample_gamma = 4
+for name, drafter in drafters.items():
+    steps, secs = run_all(drafter, sample_gamma, temperature=1.0)
+    st = trace_stats(steps)
+    print(f"temperature 1, {name:14}: acceptance rate {st.acceptance_rate:.2f}, {st.tokens_per_pass:.2f} tokens per pass, "
+          f"speedup {base / secs:.2f}x (the baseline is greedy: sampling costs about the same)")
+out, _ = speculative_generate(model, drafters[draft_name], measure_prompts[0], env.pick(40, 12), sample_gamma,
+                              temperature=1.0, seed=1)
+print("\nsampled with speculative decoding:", repr(measure_texts[0] + tokenizer.decode(out)))
+"""),
+md(r"""
+Prompt lookup's one-hot $q$ is accepted only with probability $p(x)$, the target's own probability
+of the copied token: far below its greedy acceptance unless the target is sure.
+
+### Real pairs, when the hub is reachable
+
+Our draft was cut out of its target. The usual pair is two models of one family, trained apart, with
+one tokenizer: SmolLM2-135M drafting for SmolLM2-360M, or distilgpt2 (6 layers) for gpt2 (12). The
+next cell measures their greedy acceptance rate with your `speculative_generate` when the Hugging Face
+hub can be reached (Colab, most laptops). Offline, as on the grading machine, it says so and moves
+on. Compare with the 4-block draft: a separately trained small model usually agrees with its big
+sibling far more often, at a higher cost per draft token.
+"""),
+code(r"""
+from course.models.loading import ModelUnavailableError
+
+def pair_acceptance(target_name: str, draft_name: str, gamma: int = 4):
+    '''Greedy acceptance rate and tokens per pass of draft_name drafting for target_name, on the measure prompts.'''
+    tok = course.load_tokenizer(target_name)
+    target, drafter = course.load_model(target_name, device=dev), ModelDrafter(course.load_model(draft_name, device=dev))
+    steps = [s for text in measure_texts[:n_prompts]
+             for s in speculative_generate(target, drafter, tok(text).input_ids, new_tokens, gamma)[1]]
+    return trace_stats(steps)
+
+for big, small in (("smollm2-360m", "smollm2-135m"), ("gpt2", "distilgpt2")):      # (target, draft)
+    try:
+        st = pair_acceptance(big, small)
+        print(f"{small} drafting for {big}, gamma 4: acceptance rate {st.acceptance_rate:.2f}, "
+              f"{st.tokens_per_pass:.2f} tokens per target pass")
+    except ModelUnavailableError as e:
+        print(f"{small} drafting for {big}: skipped ({str(e).split(': ', 1)[-1].split('.')[0]})")
+"""),
+md(r"""
 ## Summary
 
-- Requests often start with the same tokens (system prompts, chat history, few-shot examples). Their
-  keys and values depend only on those tokens, so they can be computed once and shared.
-- **Chained hashes** name a full block by its whole prefix: hash(parent hash, block tokens). Only full
-  blocks are hashed and shared; the partial last block belongs to its sequence.
-- A **pool** keeps freed blocks cached with reference count 0 in an **LRU queue**; sharing removes a block
-  from it (a block in use is never evicted); a lookup **checks the tokens and the parent** against collisions.
-- The engine computes only the tokens after the cached blocks, with their true positions, and at least
-  the last prompt token; outputs are identical with and without the cache.
-- A **radix tree** stores token sequences with shared prefixes: match, insert with **splits** that keep
-  every suffix, and LRU eviction of **unlocked leaves**.
-- You measured the prefill tokens saved, the time to first token with and without the cache, and the
-  hit rate against cache size.
+- Decoding is one token per pass; a pass over a few more tokens costs little more. Speculative
+  decoding spends that slack on the draft's guesses.
+- The target checks $\gamma$ drafts in **one** pass over the last token and the drafts; its
+  $\gamma + 1$ rows give a verdict for every draft plus one token of its own.
+- The KV cache **appends** the drafts and **rolls back** the rejected ones, in the target and in the
+  draft: a rollback only moves the length back.
+- **Greedy acceptance** keeps the drafts equal to the target's argmax: the output is exactly the
+  target's greedy text.
+- **Rejection sampling** accepts with $\min(1, p/q)$ and resamples from $\max(0, p - q)$ normalized,
+  with a bonus token from the last row: the output has exactly the target's distribution.
+- The gain depends on the acceptance rate, the draft length and the draft's cost; a draft that does
+  not match the target makes decoding *slower*.
 
 **Questions**
-1. Why must the hash of a block include its parent's hash? Give two prompts that a hash of the block
-   alone would confuse, and say what the model would then compute.
-2. Why is the partial last block never shared? What would go wrong when two requests share it and both decode?
-3. A prompt is exactly 4 full blocks long and all of them are cached. How many tokens does the engine
-   compute, and why not zero?
-4. What would happen if `share` forgot to take a free block out of the LRU queue? Describe the first
-   request that would see wrong keys.
-5. The token check costs a tuple comparison per hit. With 64-bit hashes, how many cached blocks would
-   a server need before a collision becomes likely (the birthday bound)? Is the check worth it?
-6. In your multi-turn measurement, how does the prefill time per turn grow with and without the cache?
-   What happens to the total over a 50-turn chat?
-7. From your hit-rate plot: how much cache does this traffic need? Which requests still miss when the
-   cache is large, and why can no cache help them?
-8. Why can a radix tree evict only leaves, and why must a running request lock its path?
+1. The workshop slide says the target "verifies these tokens in parallel; worst case, re-run from
+   that point". What does the worst case cost with your implementation, compared with plain decoding?
+2. Why must the draft share the target's tokenizer? What would it take to use a draft with another vocabulary?
+3. Explain, with the two terms $\min(p, q)$ and $\max(0, p - q)$, why rejection sampling gives exactly
+   $p$. Would the chi-square check in the test under Problem 5 catch resampling from $p$ instead? Work out the first token's distribution in that case.
+4. From your table: which $\gamma$ is best for each drafter, and why is the best $\gamma$ for prompt
+   lookup larger?
+5. Your draft costs $c$ of a target pass. Using the speedup formula, what acceptance rate would it
+   need to reach 2x at $\gamma = 4$? Why does a big GPU target (a 70B model) make $c$ much smaller
+   than on this CPU?
+6. In a batched server (lab 04), each request accepts a different number of drafts per step. What
+   does that do to the batch, and to the paged KV cache of lab 05 (which blocks must be freed)?
+7. Why does speculative decoding help most at small batch sizes, and less when the batch already
+   fills the GPU's compute?
 
 ## Going further
 
-- **vLLM** automatic prefix caching (`enable_prefix_caching`, on by default in the V1 engine): block hashes
-  chained from the parent, with extra keys (LoRA adapter, multimodal inputs, a per-request salt for
-  tenant isolation), a free queue that doubles as the LRU eviction order, and SHA-256 hashing as an option.
-- **SGLang** RadixAttention (Zheng et al., 2024, "SGLang: Efficient Execution of Structured Language Model
-  Programs"): the radix tree, cache-aware scheduling (longest shared prefix first), and up to 5-6x
-  throughput on workloads with shared prefixes.
-- **nano-vllm**'s `engine/block_manager.py`: hashing and reference counts in a few dozen lines; compare
-  with your `PrefixCache`.
-- **Prompt caching** in hosted APIs (Anthropic, OpenAI, Gemini): the same idea sold as a discount on
-  cached input tokens, with explicit cache breakpoints and a time to live.
-- **LMCache**, **Mooncake** and other KV stores: cached blocks moved to CPU memory, disk or other
-  machines, found again by their hashes; the basis of prefill-decode disaggregation.
+- **A bigger target**: with the hub, try `("smollm2-1.7b", "smollm2-135m")` in the real-pairs cell
+  (a GPU helps). The bigger the gap between the two, the smaller the draft's cost $c$.
+- **vLLM** supports draft models, n-gram (prompt lookup), Medusa, MLP speculators and EAGLE; its
+  rejection sampler runs batched on the GPU, and the scheduler reserves KV slots for the drafts.
+  **SGLang** uses EAGLE with a tree of drafts. **TGI** offers n-gram and Medusa speculation.
+  **llama.cpp** has draft-model and lookup decoding.
+- **Self-drafting**: Medusa (extra heads on the target predict tokens 2, 3, ... ahead), EAGLE 1-3
+  (a one-layer draft on the target's hidden features, a reduced draft vocabulary like ours), LayerSkip
+  (early exit trained into the model) and Draft & Verify (skipping layers of the target).
+- **Token trees**: SpecInfer and EAGLE-2 check a tree of alternative drafts in one pass, with a
+  tree-shaped attention mask, to accept more per pass.
+- **Lookahead decoding** drafts n-grams from Jacobi iterations of the target itself.
+- Papers: Leviathan, Kalman and Matias, *Fast Inference from Transformers via Speculative Decoding*
+  (2023); Chen et al., *Accelerating Large Language Model Decoding with Speculative Sampling* (2023);
+  Cai et al., *Medusa* (2024); Li et al., *EAGLE* (2024); Saxena, *Prompt Lookup Decoding* (2023).
 """),
 ]
 
-if __name__ == "__main__":
-    write_notebook("labs/08_prefix_caching/08_prefix_caching.ipynb", cells + [md(CHECK_YOUR_WORK)])
-    print("wrote labs/08_prefix_caching/08_prefix_caching.ipynb")
+write_notebook("labs/08_speculative_decoding/08_speculative_decoding.ipynb", cells + [md(CHECK_YOUR_WORK)])
+print("wrote labs/08_speculative_decoding/08_speculative_decoding.ipynb")

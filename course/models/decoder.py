@@ -151,6 +151,11 @@ class Decoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype: caches built for this model store keys and values in it."""
+        return self.embed.weight.dtype
+
     def num_parameters(self) -> int:
         """Distinct parameters (a tied lm_head counts once)."""
         return sum(p.numel() for p in self.parameters())

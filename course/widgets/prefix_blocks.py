@@ -1,4 +1,4 @@
-"""Prefix blocks (lab 08): which physical blocks each request uses, and which of them came from
+"""Prefix blocks (lab 09): which physical blocks each request uses, and which of them came from
 the prefix cache instead of being computed.
 
 Left, one row per request: its logical blocks in order, each labelled with its physical block

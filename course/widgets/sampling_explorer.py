@@ -1,4 +1,4 @@
-"""Distribution explorer (lab 06): which next tokens survive temperature, top-k and top-p.
+"""Distribution explorer (lab 07): which next tokens survive temperature, top-k and top-p.
 
 The student's own processors drive it. `process(logits, temperature, top_k, top_p)` returns the
 processed logits `(V,)` (removed tokens at -inf), and the widget calls it once per combination of

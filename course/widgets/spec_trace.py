@@ -1,6 +1,6 @@
-"""Speculative decoding trace (lab 07): what the draft proposed at every step, and what the target kept.
+"""Speculative decoding trace (lab 08): what the draft proposed at every step, and what the target kept.
 
-One step = one forward pass of the target. The trace format, written by lab 07's loop:
+One step = one forward pass of the target. The trace format, written by lab 08's loop:
 
     steps = [                      # one tuple per step, in order
         ([464, 2068, 318], 2, 257),    # (drafted tokens, how many were accepted, the target's token)
