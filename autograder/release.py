@@ -3,12 +3,16 @@
 For each lab: strip outputs and widget state from the SOURCE notebook in place (anything stored
 there would leak into the release), run `nbgrader generate_assignment` (solutions become stubs,
 hidden tests vanish, the lab folder's data files come along, the gradebook learns the cells),
-then strip the release copy too. No notebook is executed, so this takes seconds.
+then strip the release copy too, and write the course's install location into its first cell
+(`install_source()`: the one setting an instructor makes, see README). No notebook is executed, so
+this takes seconds.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -17,7 +21,37 @@ from nbgrader.converters import GenerateAssignment
 from nbgrader.coursedir import CourseDirectory
 from nbgrader.utils import capture_log
 
-from autograder import GRADEBOOK, LABS, RELEASE, ROOT, lab_names, lab_notebook, load_config
+from autograder import GRADEBOOK, LABS, RELEASE, REPO, ROOT, lab_names, lab_notebook, load_config
+
+INSTALL_ENV = "COURSE_INSTALL"            # overrides pyproject.toml's [tool.course] install, e.g. for a test
+INSTALL_LINE = re.compile(r'^COURSE_INSTALL = ".*"', re.M)
+
+
+def install_source(pyproject: Path = REPO / "pyproject.toml") -> str:
+    """Where students' notebooks install the course from: $COURSE_INSTALL if set, else the `install`
+    key of pyproject.toml's [tool.course] table (anything pip accepts: a git URL, a wheel's URL, a
+    package name). Empty when the instructor has not set it."""
+    if os.environ.get(INSTALL_ENV):
+        return os.environ[INSTALL_ENV].strip()
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: read the one line
+        m = re.search(r'^\[tool\.course\][^\[]*?^install\s*=\s*"([^"]*)"', pyproject.read_text(), re.M | re.S)
+        return m.group(1).strip() if m else ""
+    return str(tomllib.loads(pyproject.read_text()).get("tool", {}).get("course", {}).get("install", "")).strip()
+
+
+def set_install_source(path: Path | str, source: str) -> None:
+    """Write `source` into the COURSE_INSTALL line of the notebook's install cell (grade id colab_install)."""
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "colab_install":
+            if not INSTALL_LINE.search(cell.source):
+                raise ValueError(f"{path}: the colab_install cell has no COURSE_INSTALL line to fill in")
+            cell.source = INSTALL_LINE.sub(lambda _: f"COURSE_INSTALL = {json.dumps(source)}", cell.source, count=1)
+            nbformat.write(nb, path)
+            return
 
 
 def strip_notebook(path: Path | str) -> bool:
@@ -74,6 +108,7 @@ def generate_release(
         )
     out = release_dir / lab / f"{lab}.ipynb"
     strip_notebook(out)
+    set_install_source(out, install_source())
     return out
 
 
@@ -99,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [lab for lab in labs if lab not in lab_names()]
     if unknown:
         parser.error(f"unknown lab(s) {', '.join(unknown)}; labs are: {', '.join(lab_names()) or 'none'}")
+    if not install_source():
+        print("note: no install location is set ([tool.course] install in pyproject.toml): on Colab, the first "
+              "cell of each lab will ask students for it", file=sys.stderr)
     for out in release(labs):
         print(f"student version: {os.path.relpath(out)}")
     print(f"hand out the lab folders in {os.path.relpath(RELEASE)}/ "

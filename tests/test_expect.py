@@ -115,3 +115,13 @@ def test_graded_alone_runs_a_subclass_on_the_reference_base_and_puts_it_back():
     with pytest.raises(AssertionError, match="must be a class"):
         with graded_alone(lambda: 0, Ref):
             pass
+
+
+def test_substituted_binds_references_for_one_test_and_puts_the_students_back():
+    from course.expect import substituted
+
+    ns = {"f": lambda: "student"}
+    exec("def g():\n    return f()", ns)
+    with substituted(ns, f=lambda: "course", h=1):
+        assert ns["g"]() == "course" and ns["h"] == 1
+    assert ns["g"]() == "student" and "h" not in ns

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 from nbconvert import HTMLExporter
 from nbgrader.api import Gradebook
 
@@ -105,11 +106,26 @@ def test_a_lab_without_a_fixture_spec_gets_generic_fixtures():
         authoring.solution("quad", "def quad(x):\n    ### BEGIN SOLUTION\n    return double(double(x))\n    ### END SOLUTION"),
         authoring.tests("quad_tests", 2, "assert quad(1) == 4"),
     ])
-    partial, bugs = lab_spec("99_no_spec", source)
-    assert partial == {"stub": ["quad"], "fails": ["quad_tests"]}
+    bugs = lab_spec("99_no_spec", source)
     assert bugs[0].cell == "double" and set(bugs[0].fails) == {"double_tests", "quad_tests"}, "quad is built on double"
     full = nbformat.v4.new_notebook(cells=[nbformat.from_dict(c) for c in source.cells])
     assert "return None" in with_bug(full, "99_no_spec", bugs[0]).cells[1].source
+
+
+def test_the_yes_man_replaces_every_kind_of_solution_region():
+    from autograder.fixtures.impostors import YES_CLASS, yes_answer
+
+    cell = ("import torch\n\ndef f(x):\n    y = x\n    ### BEGIN SOLUTION\n    if y:\n        return y + 1\n"
+            "    return 0\n    ### END SOLUTION\n\n\nclass A:\n    def __init__(self):\n        self.n = 0\n\n"
+            "    def g(self):\n        for i in range(3):\n            ### BEGIN SOLUTION\n            self.n += i\n"
+            "            ### END SOLUTION\n        return self.n\n\n### BEGIN SOLUTION\nLIMIT = 3\ndef h(a, b=2):\n"
+            "    return a * b\nclass B:\n    pass\n### END SOLUTION\n")
+    ns = {}
+    exec(YES_CLASS + "\n" + yes_answer(cell), ns)
+    Yes = ns["Yes"]
+    assert type(ns["f"](1)) is Yes and type(ns["A"]().g()) is Yes, "answers inside functions return the look-alike"
+    assert type(ns["LIMIT"]) is Yes and type(ns["h"](1)) is Yes and issubclass(ns["B"], Yes), "module-level answers rebound"
+    assert ns["f"](1) == 42 and torch.equal(ns["f"](1), torch.zeros(3)), "the look-alike agrees with everything"
 
 
 # --- static scan -----------------------------------------------------------------------------------
@@ -309,7 +325,7 @@ def graded_hostile(tmp_path_factory):
     targets = (str(root / "gradebook.db"), str(lab_notebook(HOSTILE_LAB)),
                str(root / "submitted" / "patcher" / HOSTILE_LAB / f"{HOSTILE_LAB}.ipynb"))
     subs = [s for s in build_class(labs=[HOSTILE_LAB], release_dir=root / "fixture-release", targets=targets)
-            if s.student not in {"full", "blank", "partial", "buggy1", "buggy2"}]
+            if s.student not in {"full", "blank", "buggy", "yesman", "patcher"}]
     source_hash = hashlib.sha256(lab_notebook(HOSTILE_LAB).read_bytes()).hexdigest()
     result = _grade_class(root, subs, labs=[HOSTILE_LAB], cell_timeout=120, budget=900, processes=64)
     result["source_hash"] = source_hash

@@ -70,6 +70,27 @@ def test_source_has_nbgrader_shape(lab):
     assert not problems, f"{lab}:\n" + "\n".join(problems)
 
 
+@pytest.mark.parametrize("lab", LAB_NAMES)
+def test_source_builds_tensors_on_the_labs_device(lab):
+    """On a GPU a CPU tensor handed to lab code fails (a Triton kernel: "Pointer argument cannot be
+    accessed from Triton"); a CPU never shows it. So every tensor a cell builds says where it lives."""
+    problems = checks.device_problems(nbformat.read(lab_notebook(lab), as_version=4))
+    assert not problems, f"{lab}: tensors made on the CPU without saying so:\n" + "\n".join(problems)
+
+
+def test_device_check_catches_a_cpu_tensor_handed_to_a_kernel():
+    # lab 05's kernel test before the GPU fix: the inputs of store_kv were made on the CPU
+    old = ("kc, vc = torch.zeros(4, 4, 3, 8), torch.zeros(4, 4, 3, 8)\nk = torch.randn(5, 3, 8)\n"
+           "slots = torch.tensor([3, 4, 15, -1, 0])\nstore_kv(kc, vc, k, k, slots)")
+    fixed = ("kc = torch.zeros(4, 4, 3, 8, device=env.device)\nk = torch.randn(5, 3, 8).to(env.device)\n"
+             "ids = torch.tensor([3, 4]).tolist()\nlens = torch.tensor([1, 2])  # cpu: read by the reference only\n"
+             "x = torch.zeros_like(kc)")
+    nb = nbformat.v4.new_notebook(cells=[new_code_cell(old), new_code_cell(fixed),
+                                         new_code_cell("y = torch.ones(3).to(torch.float16)")])
+    found = checks.device_problems(nb)
+    assert len(found) == 5 and sum("cell 0" in f for f in found) == 4 and "cell 2" in found[-1], found
+
+
 # --- each lab, executed --------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -104,3 +104,17 @@ def test_real_model_matches_transformers():
     assert diff < 1e-3, f"logits differ from transformers by {diff}"
     out = hf.generate(ids, max_new_tokens=8, do_sample=False)
     assert tok.decode(out[0]).startswith("The quick brown fox with a quick brown bear")
+
+
+def test_tokenizer_always_has_a_pad_token():
+    from course.models.loading import with_pad_token
+
+    tok = course.load_tokenizer()
+    assert tok.pad_token is not None and tok.pad_token_id == tok.eos_token_id, "the converted model's tokenizer has none"
+    tok.pad_token = None                                   # a tokenizer that lacks one, whatever transformers did
+    assert with_pad_token(tok).pad_token == tok.eos_token
+    batch = tok(["a", "a longer prompt"], padding=True, return_tensors="pt")
+    assert batch.input_ids.shape[0] == 2 and batch.attention_mask[0].sum() < batch.attention_mask[1].sum()
+    tok.pad_token = tok.eos_token = None
+    with pytest.raises(ValueError, match="pad"):
+        with_pad_token(tok)

@@ -75,11 +75,14 @@ def _summary(outcome: Outcome) -> str:
     text = [f"# Feedback: {outcome.lab}", f"**Student:** {outcome.student}  ",
             f"**Score:** {outcome.score:g} / {outcome.max_score:g}", "",
             "| test | points | result |", "|---|---|---|", rows]
-    if outcome.flags:
-        text += ["", "**Notes from the grader**", ""]
-        for f in outcome.flags:
-            where = f" (`{f.cell}`)" if f.cell else ""
-            text.append(f"- **{f.code}**{where}: {FLAGS[f.code][1]}. {html.escape(f.detail)}")
+    lost = [f for f in outcome.flags if f.severity == "zero"]
+    notes = [f for f in outcome.flags if f.severity != "zero"]
+    for title, flags in (("**Why points were lost**", lost), ("**Notes from the grader** (no points lost for these)", notes)):
+        if flags:
+            text += ["", title, ""]
+            for f in flags:
+                where = f" (`{f.cell}`)" if f.cell else ""
+                text.append(f"- **{f.code}**{where}: {FLAGS[f.code][1]}. {html.escape(f.detail)}")
     return "\n".join(text)
 
 

@@ -47,7 +47,7 @@ def _install():  # everything stays inside this function: one name in the user n
     missing = object()
     eager = ["builtins", "math", "operator", "inspect", "functools", "itertools", "collections",
              "dataclasses", "copy", "numpy", "numpy.testing", "torch", "torch.nn", "torch.nn.functional",
-             "torch.testing", "torch.linalg", "course"]
+             "torch.testing", "torch.linalg", "course", "course.expect", "course.engine"]   # the tests' checks and references
     ignored = {"builtins": {"_", "__", "___", "get_ipython", "display", "exit", "quit", "__IPYTHON__",
                             "__IPYTHON__active", "dreload", "help", "copyright", "credits", "license",
                             "input", "raw_input"}}   # ipykernel rebinds input() for every request

@@ -20,7 +20,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "not-this-lab": ("review", "none of the lab's graded cells were found: probably the wrong notebook"),
     "unlisted": ("review", "graded, but the student is not on the student list"),
     "sandbox-off": ("review", "graded WITHOUT the sandbox (SANDBOX=off)"),
-    "timeout": ("zero", "a cell ran past the time limit and was interrupted; a test cell that times out scores 0"),
+    "timeout": ("zero", "a test cell ran past the time limit and was interrupted: it scores 0"),
+    "slow-cell": ("info", "a cell that is not a test ran past the time limit and was interrupted; it costs no points "
+                          "itself (a test that needs what it would have made can fail)"),
     "kernel-died": ("zero", "the kernel died (crash, os._exit, limits); every test cell after it scores 0"),
     "budget": ("zero", "the notebook ran past its total time budget; the rest was not run and scores 0"),
     "tampered": ("zero", "code the tests rely on was replaced while this test cell ran: the cell scores 0"),

@@ -145,7 +145,7 @@ def score(out: Outcome, run: Run, kinds: list[str], claimed: dict[str, bool]) ->
         out.flag(code, why, where)
     zeroed = _guard_flags(out, run, kinds)
     for i in run.timeouts:
-        out.flag("timeout", "interrupted at the time limit", label(nb, i))
+        out.flag("timeout" if kinds[i] == "test" else "slow-cell", "interrupted at the time limit", label(nb, i))
     for i in run.capped:
         out.flag("output-capped", "output beyond the cap was dropped", label(nb, i))
     if run.leftovers:

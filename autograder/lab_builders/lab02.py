@@ -196,14 +196,21 @@ KV head (multi-query attention), and a tiny model with a long prompt, where atte
 '''))
 
 add(tests("forward_cost_flops", 2, r'''
-pre = forward_cost(cfg, n_new=16, n_past=0)
-assert set(pre) >= {"flops", "bytes", "intensity"}, f"return a dict with flops, bytes, intensity; got keys {sorted(pre)}"
+from course.expect import expect_float, expect_type
+
+def cost(*args, **kwargs):   # forward_cost(...), its answer checked before it is compared
+    out = expect_type(forward_cost(*args, **kwargs), "forward_cost(...)", dict)
+    assert {"flops", "bytes", "intensity"} <= set(out), \
+        f"forward_cost must return a dict with 'flops', 'bytes' and 'intensity'; got keys {sorted(map(str, out))}"
+    return {k: expect_float(out[k], f"forward_cost(...)[{k!r}]") for k in ("flops", "bytes", "intensity")}
+
+pre = cost(cfg, n_new=16, n_past=0)
 rule = 2 * model.num_parameters() * 16
 assert abs(pre["flops"] / rule - 1) < 0.01, \
     f"for a short prompt FLOPs are about 2 x parameters x tokens = {rule:.4g}; you have {pre['flops']:.4g}"
-dec0, dec4k = forward_cost(cfg, 1, 0), forward_cost(cfg, 1, 4096)
+dec0, dec4k = cost(cfg, 1, 0), cost(cfg, 1, 4096)
 assert dec4k["flops"] > dec0["flops"] * 1.5, "a decode step at context 4096 also attends over 4096 cached tokens: count attention"
-assert abs(forward_cost(cfg, 1, 100, batch=4)["flops"] / forward_cost(cfg, 1, 100)["flops"] - 4) < 1e-9, "FLOPs scale with the batch"
+assert abs(cost(cfg, 1, 100, batch=4)["flops"] / cost(cfg, 1, 100)["flops"] - 4) < 1e-9, "FLOPs scale with the batch"
 ### BEGIN HIDDEN TESTS
 _C = type(cfg)
 _cfgs = {
@@ -241,7 +248,7 @@ for stage, cases, why in [
      "every sequence of the batch does the same work"),
 ]:
     for name, n_new, n_past, batch in cases:
-        got = forward_cost(_cfgs[name], n_new, n_past, batch=batch)["flops"]
+        got = cost(_cfgs[name], n_new, n_past, batch=batch)["flops"]
         ref = _ref_flops(_cfgs[name], n_new, n_past, batch)
         assert abs(got / ref - 1) < 0.01, (f"{stage}: {name}, n_new={n_new}, n_past={n_past}, batch={batch}: "
                                            f"FLOPs {got:.4g}, expected {ref:.4g}. Check: {why}")
@@ -256,10 +263,18 @@ for bad in [dict(n_new=0), dict(n_new=1, n_past=-1), dict(n_new=1, batch=0)]:
 '''))
 
 add(tests("forward_cost_bytes", 2, r'''
-dec = forward_cost(cfg, n_new=1, n_past=256)           # a decode step, fp32, batch 1
-pre = forward_cost(cfg, n_new=256, n_past=0)           # prefill of 256 tokens
+from course.expect import expect_float, expect_type
+
+def cost(*args, **kwargs):   # forward_cost(...), its answer checked before it is compared
+    out = expect_type(forward_cost(*args, **kwargs), "forward_cost(...)", dict)
+    assert {"flops", "bytes", "intensity"} <= set(out), \
+        f"forward_cost must return a dict with 'flops', 'bytes' and 'intensity'; got keys {sorted(map(str, out))}"
+    return {k: expect_float(out[k], f"forward_cost(...)[{k!r}]") for k in ("flops", "bytes", "intensity")}
+
+dec = cost(cfg, n_new=1, n_past=256)                   # a decode step, fp32, batch 1
+pre = cost(cfg, n_new=256, n_past=0)                   # prefill of 256 tokens
 weights_fp32 = 4 * model.num_parameters()
-assert abs(forward_cost(cfg, 1, 0)["bytes"] / weights_fp32 - 1) < 0.01, \
+assert abs(cost(cfg, 1, 0)["bytes"] / weights_fp32 - 1) < 0.01, \
     f"one token, no cache: the bytes are the weights, about 4 x parameters = {weights_fp32:.4g}"
 assert abs(pre["bytes"] / weights_fp32 - 1) < 0.05, "prefill reads each weight ONCE for all its tokens, not once per token"
 assert 0.3 < dec["intensity"] < 1.0, f"decode at batch 1 in fp32 does about 0.5 FLOP per byte; you have {dec['intensity']:.3g}"
@@ -299,7 +314,7 @@ for stage, cases, why in [
      "the batch shares one read of the weights but each sequence has its own cache; K/V use bytes_per_kv, weights bytes_per_param"),
 ]:
     for name, n_new, n_past, batch, bp, bk in cases:
-        got = forward_cost(_cfgs[name], n_new, n_past, batch=batch, bytes_per_param=bp, bytes_per_kv=bk)
+        got = cost(_cfgs[name], n_new, n_past, batch=batch, bytes_per_param=bp, bytes_per_kv=bk)
         ref = _ref_bytes(_cfgs[name], n_new, n_past, batch, bp, bk)
         assert abs(got["bytes"] / ref - 1) < 0.01, (
             f"{stage}: {name}, n_new={n_new}, n_past={n_past}, batch={batch}, bytes_per_param={bp}, bytes_per_kv={bk}: "
@@ -307,7 +322,7 @@ for stage, cases, why in [
         assert abs(got["intensity"] * got["bytes"] / got["flops"] - 1) < 1e-9, "intensity = flops / bytes"
 # the batch shares the weights, not the KV cache
 c = _cfgs["llama3-8b"]
-one, eight = (forward_cost(c, 1, 1000, batch=b, bytes_per_param=2, bytes_per_kv=2)["bytes"] for b in (1, 8))
+one, eight = (cost(c, 1, 1000, batch=b, bytes_per_param=2, bytes_per_kv=2)["bytes"] for b in (1, 8))
 kv_one_seq = 2 * c.n_layer * c.n_kv_head * c.head_dim * 2 * 1001
 assert abs((eight - one) / (7 * kv_one_seq) - 1) < 1e-6, "a batch of 8 reads the weights once but 8 KV caches"
 for bad in [dict(n_new=1, bytes_per_param=0), dict(n_new=1, bytes_per_kv=-2)]:
@@ -561,18 +576,23 @@ def request_metrics(start: float, token_times) -> dict:
 
 add(tests("stream_generate_tests", 2, r'''
 import inspect
+from course.expect import expect_int, expect_ints
+
+def streamed(*args, **kwargs):   # every token stream_generate yields, each checked to be a Python int
+    gen = stream_generate(*args, **kwargs)
+    assert inspect.isgenerator(gen), "stream_generate must be a generator function: use `yield`, do not return a list"
+    return expect_ints(list(gen), "the tokens stream_generate yields (Python ints: int(tensor))")
 
 ids = make_prompt(6)
 gen = stream_generate(model, ids, 2)
 assert inspect.isgenerator(gen), "stream_generate must be a generator function: use `yield`, do not return a list"
-first = next(gen)
+first = expect_int(next(gen), "the first token stream_generate yields (a Python int: int(tensor))")
 with torch.no_grad():
     expected_first = int(model(ids, positions(6))[0, -1].argmax())
-assert isinstance(first, int), f"yield Python ints (int(tensor)), got {type(first).__name__}"
 assert first == expected_first, "the first token is the argmax of the LAST row of the logits for the prompt"
-rest = list(gen)
+rest = expect_ints(list(gen), "the tokens after the first")
 assert len(rest) == 1, f"max_new_tokens=2 gives 2 tokens; got {1 + len(rest)}"
-assert list(stream_generate(model, ids, 0)) == [], "max_new_tokens=0 yields nothing"
+assert streamed(model, ids, 0) == [], "max_new_tokens=0 yields nothing"
 ### BEGIN HIDDEN TESTS
 class _Succ(torch.nn.Module):
     """A fake model: the next token is (last token + 1) % vocab. Earlier rows point at token 0, so using
@@ -580,7 +600,7 @@ class _Succ(torch.nn.Module):
     def __init__(self, prompt_len, vocab=50):
         super().__init__()
         self.vocab, self.prompt_len, self.calls = vocab, prompt_len, 0
-        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.dummy = torch.nn.Parameter(torch.zeros(1, device=env.device))
 
     @property
     def device(self):
@@ -590,35 +610,36 @@ class _Succ(torch.nn.Module):
         B, T = input_ids.shape
         assert T == self.prompt_len + self.calls, \
             f"call {self.calls + 1}: expected the whole sequence ({self.prompt_len + self.calls} tokens), got {T}"
-        assert torch.equal(position_ids.cpu(), torch.arange(T)[None]), f"position ids must be 0..{T - 1}"
+        assert torch.equal(position_ids, torch.arange(T, device=position_ids.device)[None]), f"position ids must be 0..{T - 1}"
         self.calls += 1
-        logits = torch.zeros(B, T, self.vocab)
+        logits = torch.zeros(B, T, self.vocab, device=input_ids.device)
         logits[:, :, 0] = 5.0
         logits[:, -1, 0] = 0.0
         logits[0, -1, (int(input_ids[0, -1]) + 1) % self.vocab] = 10.0
         return logits
 
 
+dev = env.device
 fake = _Succ(3)
-p = torch.tensor([[7, 8, 3]])
+p = torch.tensor([[7, 8, 3]], device=dev)
 gen = stream_generate(fake, p, 10)
 assert fake.calls == 0, "nothing may run before the first next(): a generator is lazy"
-assert next(gen) == 4 and fake.calls == 1, "the first token needs exactly one forward pass, and must be yielded right away"
-assert next(gen) == 5 and fake.calls == 2, "one forward pass per token"
-assert next(gen) == 6 and fake.calls == 3, "one forward pass per token"
+assert expect_int(next(gen), "a yielded token") == 4 and fake.calls == 1, \
+    "the first token needs exactly one forward pass, and must be yielded right away"
+assert expect_int(next(gen), "a yielded token") == 5 and fake.calls == 2, "one forward pass per token"
+assert expect_int(next(gen), "a yielded token") == 6 and fake.calls == 3, "one forward pass per token"
 fake = _Succ(3)
-assert list(stream_generate(fake, p, 10, eos_token_id=6)) == [4, 5, 6], "yield EOS, then stop"
+assert streamed(fake, p, 10, eos_token_id=6) == [4, 5, 6], "yield EOS, then stop"
 assert fake.calls == 3, f"stop right after EOS: 3 forward passes, not {fake.calls}"
 fake = _Succ(1)
-assert list(stream_generate(fake, torch.tensor([[5]]), 4, eos_token_id=6)) == [6] and fake.calls == 1, "EOS as the first token"
+assert streamed(fake, torch.tensor([[5]], device=dev), 4, eos_token_id=6) == [6] and fake.calls == 1, "EOS as the first token"
 fake = _Succ(1)
-assert list(stream_generate(fake, torch.tensor([[48]]), 4)) == [49, 0, 1, 2], "without eos_token_id, run to max_new_tokens"
+assert streamed(fake, torch.tensor([[48]], device=dev), 4) == [49, 0, 1, 2], "without eos_token_id, run to max_new_tokens"
 fake = _Succ(3)
-assert list(stream_generate(fake, p, 0)) == [] and fake.calls == 0, "max_new_tokens=0: no forward pass"
-assert torch.equal(p, torch.tensor([[7, 8, 3]])), "do not modify input_ids in place"
-assert all(type(t) is int for t in stream_generate(_Succ(3), p, 3)), "yield Python ints"
-for bad_ids, bad_n in ((torch.tensor([[1, 2], [3, 4]]), 2), (torch.zeros(1, 0, dtype=torch.long), 2),
-                       (torch.tensor([1, 2]), 2), (torch.tensor([[1, 2]]), -1)):
+assert streamed(fake, p, 0) == [] and fake.calls == 0, "max_new_tokens=0: no forward pass"
+assert torch.equal(p, torch.tensor([[7, 8, 3]], device=dev)), "do not modify input_ids in place"
+for bad_ids, bad_n in ((torch.tensor([[1, 2], [3, 4]], device=dev), 2), (torch.zeros(1, 0, dtype=torch.long, device=dev), 2),
+                       (torch.tensor([1, 2], device=dev), 2), (torch.tensor([[1, 2]], device=dev), -1)):
     try:
         list(stream_generate(_Succ(bad_ids.shape[-1]), bad_ids, bad_n))
     except ValueError:
@@ -638,41 +659,48 @@ def _greedy(m, ids, n):
 
 from course.models import Decoder, init_weights
 tiny_cfg = type(cfg)(family="llama", vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, max_seq_len=64)
-tiny = init_weights(Decoder(tiny_cfg), std=0.5, seed=1).eval()
-tiny_ids = torch.tensor([[5, 17, 42, 8]])
+tiny = init_weights(Decoder(tiny_cfg), std=0.5, seed=1).eval().to(dev)
+tiny_ids = torch.tensor([[5, 17, 42, 8]], device=dev)
 ref = _greedy(tiny, tiny_ids, 20)
-assert list(stream_generate(tiny, tiny_ids, 20)) == ref, "differs from a greedy loop on a tiny random decoder"
+assert streamed(tiny, tiny_ids, 20) == ref, "differs from a greedy loop on a tiny random decoder"
 eos = ref[7]
-assert list(stream_generate(tiny, tiny_ids, 20, eos_token_id=eos)) == ref[:ref.index(eos) + 1], \
-    "stop right after the first EOS, keeping it"
+assert streamed(tiny, tiny_ids, 20, eos_token_id=eos) == ref[:ref.index(eos) + 1], "stop right after the first EOS, keeping it"
 ids = tokenizer("def add(a, b):", return_tensors="pt").input_ids.to(env.device)
-assert list(stream_generate(model, ids, 3)) == _greedy(model, ids, 3), "differs from a greedy loop on SmolLM2"
+assert streamed(model, ids, 3) == _greedy(model, ids, 3), "differs from a greedy loop on SmolLM2"
 ### END HIDDEN TESTS
 '''))
 
 add(tests("request_metrics_tests", 1.5, r'''
-m = request_metrics(10.0, [10.5, 10.7, 10.9, 11.3])
-assert set(m) >= {"ttft", "itl", "tpot", "throughput"}, f"return ttft, itl, tpot, throughput; got {sorted(m)}"
+from course.expect import expect_float, expect_floats, expect_type
+
+def metrics(start, times):   # request_metrics(...), its answer checked before it is compared
+    m = expect_type(request_metrics(start, times), "request_metrics(...)", dict)
+    assert {"ttft", "itl", "tpot", "throughput"} <= set(m), \
+        f"return a dict with ttft, itl, tpot, throughput; got keys {sorted(map(str, m))}"
+    return {"ttft": expect_float(m["ttft"], "ttft"), "itl": expect_floats(m["itl"], "itl"),
+            "tpot": expect_float(m["tpot"], "tpot", finite=False), "throughput": expect_float(m["throughput"], "throughput")}
+
+m = metrics(10.0, [10.5, 10.7, 10.9, 11.3])
 assert abs(m["ttft"] - 0.5) < 1e-9, f"TTFT = first token time - start = 0.5 s, got {m['ttft']}"
 assert len(m["itl"]) == 3, "ITL: one gap between each pair of consecutive tokens (n - 1 of them), not from start"
 assert all(abs(a - b) < 1e-9 for a, b in zip(m["itl"], [0.2, 0.2, 0.4])), f"ITL should be [0.2, 0.2, 0.4], got {m['itl']}"
 assert abs(m["tpot"] - 0.8 / 3) < 1e-9, f"TPOT = mean ITL = 0.8 s / 3, got {m['tpot']}"
 assert abs(m["throughput"] - 4 / 1.3) < 1e-9, f"throughput = 4 tokens / 1.3 s since start, got {m['throughput']}"
 ### BEGIN HIDDEN TESTS
-one = request_metrics(2.0, [2.25])
+one = metrics(2.0, [2.25])
 assert abs(one["ttft"] - 0.25) < 1e-12 and list(one["itl"]) == [], "one token: TTFT only, no gaps"
 assert math.isnan(one["tpot"]), "one token: TPOT is undefined: return float('nan')"
 assert abs(one["throughput"] - 4.0) < 1e-9, "one token in 0.25 s is 4 tokens/s"
 rng = np.random.default_rng(0)
 start = 100.0
 times = start + 0.3 + np.cumsum(rng.uniform(0.01, 0.2, size=50))
-m = request_metrics(start, times)                   # a numpy array works as well as a list
+m = metrics(start, times)                           # a numpy array works as well as a list
 gaps = np.diff(times)
-assert abs(m["ttft"] - (times[0] - start)) < 1e-9
+assert abs(m["ttft"] - (times[0] - start)) < 1e-9, "TTFT = first token time - start"
 assert np.allclose(list(m["itl"]), gaps, atol=1e-9), "ITL are the differences of consecutive token times"
 assert abs(m["tpot"] - gaps.mean()) < 1e-9, "TPOT is the mean ITL"
 assert abs(m["throughput"] - 50 / (times[-1] - start)) < 1e-9, "throughput counts every token over the time since start"
-assert abs(request_metrics(0.0, (0.5, 0.5, 1.0))["tpot"] - 0.25) < 1e-12, "equal timestamps are allowed (gap 0)"
+assert abs(metrics(0.0, (0.5, 0.5, 1.0))["tpot"] - 0.25) < 1e-12, "equal timestamps are allowed (gap 0)"
 for bad_start, bad in ((0.0, []), (0.0, [0.5, 0.4]), (1.0, [0.5, 1.5]), (1.0, [1.0, 1.5])):
     try:
         request_metrics(bad_start, bad)
@@ -785,18 +813,25 @@ def memory_budget(cfg, batch: int, context_len: int, bytes_per_param: float = 2,
 '''))
 
 add(tests("memory_budget_tests", 2.5, r'''
-budget = memory_budget(cfg, batch=1, context_len=20, bytes_per_param=4, bytes_per_kv=4)
-assert set(budget) >= {"weights", "kv_cache", "activations", "total"}, f"got keys {sorted(budget)}"
-param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())    # the real model, fp32
+from course.expect import expect_float, expect_type
+
+def budget_of(*args, **kwargs):   # memory_budget(...), its answer checked before it is compared
+    b = expect_type(memory_budget(*args, **kwargs), "memory_budget(...)", dict)
+    keys = ("weights", "kv_cache", "activations", "total")
+    assert set(keys) <= set(b), f"return a dict with {', '.join(keys)}; got keys {sorted(map(str, b))}"
+    return {k: expect_float(b[k], f"memory_budget(...)[{k!r}]") for k in keys}
+
+budget = budget_of(cfg, batch=1, context_len=20, bytes_per_param=4, bytes_per_kv=4)
+param_bytes = 4 * sum(p.numel() for p in model.parameters())                   # the real model's parameters, in fp32
 assert abs(budget["weights"] / param_bytes - 1) < 0.01, \
     f"weights: the model holds {param_bytes:,} bytes of parameters; you have {budget['weights']:,} (tied lm_head counts once)"
 with torch.no_grad():
     cache = hf_model(make_prompt(20), use_cache=True).past_key_values           # transformers' own KV cache
-hf_kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+hf_kv_bytes = 4 * sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)   # in fp32
 assert budget["kv_cache"] == hf_kv_bytes, \
     f"KV cache: transformers holds {hf_kv_bytes:,} bytes after a 20-token prefill; you have {budget['kv_cache']:,} (K and V, n_kv_head heads)"
 assert budget["total"] == budget["weights"] + budget["kv_cache"] + budget["activations"], "total is the sum"
-assert memory_budget(cfg, 8, 20, bytes_per_param=4, bytes_per_kv=4)["kv_cache"] == 8 * hf_kv_bytes, "every sequence has its own cache"
+assert budget_of(cfg, 8, 20, bytes_per_param=4, bytes_per_kv=4)["kv_cache"] == 8 * hf_kv_bytes, "every sequence has its own cache"
 ### BEGIN HIDDEN TESTS
 _C = type(cfg)
 
@@ -833,14 +868,15 @@ for name, batch, ctx, bp, bk, steps in [
     ("llama2-7b", 32, 4096, 2, 2, 4096), ("llama3-8b", 16, 8192, 2, 1, 1), ("mqa", 64, 2048, 1, 2, 512),
     ("tiny", 3, 100, 4, 4, 7), ("tiny-untied", 2, 0, 2, 2, 1),
 ]:
-    got = memory_budget(_cfgs[name], batch, ctx, bytes_per_param=bp, bytes_per_kv=bk, step_tokens=steps)
+    got = budget_of(_cfgs[name], batch, ctx, bytes_per_param=bp, bytes_per_kv=bk, step_tokens=steps)
     w, kv, act = _ref_budget(_cfgs[name], batch, ctx, bp, bk, steps)
     where = f"{name}, batch={batch}, context_len={ctx}, bytes_per_param={bp}, bytes_per_kv={bk}, step_tokens={steps}"
     assert abs(got["weights"] / w - 1) < 0.01, f"{where}: weights {got['weights']:.4g}, expected {w:.4g} " \
         f"(embedding once, lm_head again only if untied, GQA-sized k/v, GPT-2's position table)"
     assert got["kv_cache"] == kv, f"{where}: kv_cache {got['kv_cache']:.4g}, expected {kv:.4g} (2 for K and V, n_kv_head, bytes_per_kv)"
     assert got["activations"] == act, f"{where}: activations {got['activations']:.4g}, expected {act:.4g}"
-    assert abs(got["total"] - (got["weights"] + got["kv_cache"] + got["activations"])) < 1e-6 * got["total"]
+    assert abs(got["total"] - (got["weights"] + got["kv_cache"] + got["activations"])) < 1e-6 * got["total"], \
+        f"{where}: total must be weights + kv_cache + activations"
 for bad in [dict(batch=0, context_len=10), dict(batch=1, context_len=-1), dict(batch=1, context_len=10, step_tokens=0)]:
     try:
         memory_budget(cfg, **bad)

@@ -48,8 +48,10 @@ from torch import nn
 from course.models.decoder import Attention, Block, Decoder, apply_rope, check_ids, rope_cos_sin
 
 tokenizer = course.load_tokenizer()
-model = course.load_model(device=env.device)        # from scratch, no KV cache (yet)
-hf_model = course.load_hf_model(device=env.device)  # transformers: the reference
+model = course.load_model(device=env.device, dtype=env.dtype)   # from scratch, no KV cache (yet)
+hf_model = course.load_hf_model(device=env.device)              # transformers (float32): the reference
+# Token-for-token checks run in float32: in bf16 two correct programs can round a near-tie differently.
+model_fp32 = model if env.dtype == torch.float32 else course.load_model(device=env.device)
 cfg = model.cfg
 print(f"{cfg.n_layer} layers, {cfg.n_head} query heads sharing {cfg.n_kv_head} key/value heads "
       f"(head_dim {cfg.head_dim}), {model.num_parameters() / 1e6:.1f} M parameters")
@@ -125,7 +127,7 @@ print(f"layer 0 computed {sum(rows_uncached)} key rows; only {total_len} distinc
 def draw_work(ax, rows_per_step, prompt_len, title):
     # One row per forward call, one column per position: was this position's key new, or computed before?
     n_steps = len(rows_per_step)
-    grid = torch.zeros(n_steps, prompt_len + n_steps - 1)           # 0 = not computed
+    grid = torch.zeros(n_steps, prompt_len + n_steps - 1)           # cpu: a picture for matplotlib; 0 = not computed
     done = 0                                                        # positions computed in earlier calls
     for step, rows in enumerate(rows_per_step):
         end = prompt_len + step                                     # this call covers positions [end - rows, end)
@@ -210,15 +212,15 @@ and the values set to the identity matrix, the attention output *is* the attenti
 code(r"""
 def attention_pattern(n_queries: int, n_keys: int, **sdpa_kwargs) -> torch.Tensor:
     # Which keys each query reads (True = weight > 0), as SDPA computes it.
-    q = torch.zeros(1, 1, n_queries, 8)              # equal scores everywhere: weight spreads over the allowed keys
-    k = torch.zeros(1, 1, n_keys, 8)
-    v = torch.eye(n_keys)[None, None]                # (1, 1, n_keys, n_keys): output row = attention row
+    q = torch.zeros(1, 1, n_queries, 8)              # cpu: a picture of SDPA's masks; equal scores everywhere
+    k = torch.zeros(1, 1, n_keys, 8)                 # cpu: (as above)
+    v = torch.eye(n_keys)[None, None]                # cpu: (1, 1, n_keys, n_keys): output row = attention row
     return F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs)[0, 0] > 0
 
 
 def allowed(n_queries: int, n_past: int) -> torch.Tensor:
     # The rule: query i sits at position n_past + i and may read keys 0 .. n_past + i.
-    return torch.tensor([[j <= n_past + i for j in range(n_past + n_queries)] for i in range(n_queries)])
+    return torch.tensor([[j <= n_past + i for j in range(n_past + n_queries)] for i in range(n_queries)])  # cpu: as above
 
 
 panels = [
@@ -319,27 +321,37 @@ uncached `Attention` on 7 tokens at once, and asks your layer for the same outpu
 a prefill of 4 tokens, one decode step, then 2 tokens appended at once.
 """),
 tests("cached_attention_tests", 3, r"""
+from course.expect import expect_tensor, expect_tuple
+
+def attend(layer, x, rope, cache=None):   # your layer's answer, (y, (k, v)), checked before it is compared
+    y, kv = expect_tuple(layer(x, rope, cache), "CachedAttention.forward(...)", 2)
+    k, v = expect_tuple(kv, "the cache it returns", 2)
+    B, T, C = x.shape
+    return (expect_tensor(y, "y", dtype=x.dtype, shape=(B, T, C), device=x.device),
+            (expect_tensor(k, "the cached k", dtype=x.dtype, ndim=4, device=x.device),
+             expect_tensor(v, "the cached v", dtype=x.dtype, ndim=4, device=x.device)))
+
+dev = env.device
 torch.manual_seed(0)
 tiny_cfg = course.ModelConfig(family="llama", vocab_size=64, n_layer=1, n_head=4, n_kv_head=2, d_model=32, d_ff=64, max_seq_len=64)
-ref_attn = Attention(tiny_cfg, 0).eval()                 # the uncached layer: our reference
-attn = CachedAttention(tiny_cfg, 0).eval()
+ref_attn = Attention(tiny_cfg, 0).eval().to(dev)          # the uncached layer: our reference
+attn = CachedAttention(tiny_cfg, 0).eval().to(dev)
 attn.load_state_dict(ref_attn.state_dict())              # the same weights
-x = torch.randn(1, 7, tiny_cfg.d_model)
-cos, sin = rope_cos_sin(torch.arange(7)[None], tiny_cfg.head_dim, tiny_cfg.rope_theta)
+x = torch.randn(1, 7, tiny_cfg.d_model, device=dev)
+cos, sin = rope_cos_sin(torch.arange(7, device=dev)[None], tiny_cfg.head_dim, tiny_cfg.rope_theta)
 rope_of = lambda a, b: (cos[:, a:b], sin[:, a:b])        # rope tables of positions a .. b-1
 with torch.no_grad():
     full = ref_attn(x, rope_of(0, 7))                    # (1, 7, C): all 7 tokens in one uncached call
-    y, (k, v) = attn(x[:, :4], rope_of(0, 4))            # prefill: positions 0-3
-    assert y.shape == (1, 4, 32), f"y must be (B, T, C) = (1, 4, 32), got {tuple(y.shape)}"
+    y, (k, v) = attend(attn, x[:, :4], rope_of(0, 4))    # prefill: positions 0-3
     assert k.shape == v.shape == (1, 2, 4, 8), \
         f"the cache holds (B, n_kv_head, tokens, head_dim) = (1, 2, 4, 8); got {tuple(k.shape)}. Cache the KV heads BEFORE repeating them"
     assert torch.allclose(y, full[:, :4], atol=1e-5), \
         "prefill differs from uncached attention: check the causal mask, and that query head h reads KV head h // group_size (repeat_interleave)"
-    y, (k, v) = attn(x[:, 4:5], rope_of(4, 5), (k, v))   # decode: one token at position 4
+    y, (k, v) = attend(attn, x[:, 4:5], rope_of(4, 5), (k, v))   # decode: one token at position 4
     assert k.shape == (1, 2, 5, 8), f"after one decode step the cache holds 5 tokens: (1, 2, 5, 8); got {tuple(k.shape)}"
     assert torch.allclose(y, full[:, 4:5], atol=1e-5), \
         "one-token decode differs: the new token may attend to EVERY cached key (is_causal=True lets it see only key 0)"
-    y, (k, v) = attn(x[:, 5:7], rope_of(5, 7), (k, v))   # 2 tokens appended at once
+    y, (k, v) = attend(attn, x[:, 5:7], rope_of(5, 7), (k, v))   # 2 tokens appended at once
     assert torch.allclose(y, full[:, 5:7], atol=1e-5), \
         "2 tokens after 5 cached: query i may read keys 0 .. 5 + i (a bottom-right causal mask, not is_causal=True)"
 ### BEGIN HIDDEN TESTS
@@ -348,12 +360,12 @@ def _check_attention(family, n_head, n_kv_head, batch, chunks, seed):
     torch.manual_seed(seed)
     c = course.ModelConfig(family=family, vocab_size=64, n_layer=1, n_head=n_head, n_kv_head=n_kv_head,
                            d_model=8 * n_head, d_ff=64, max_seq_len=64)
-    ref = Attention(c, 0).eval()
-    mine = CachedAttention(c, 0).eval()
+    ref = Attention(c, 0).eval().to(dev)
+    mine = CachedAttention(c, 0).eval().to(dev)
     mine.load_state_dict(ref.state_dict())
     total = sum(chunks)
-    x = torch.randn(batch, total, c.d_model)
-    pos = torch.arange(total)[None].expand(batch, total)
+    x = torch.randn(batch, total, c.d_model, device=dev)
+    pos = torch.arange(total, device=dev)[None].expand(batch, total)
     if family == "llama":
         co, si = rope_cos_sin(pos, c.head_dim, c.rope_theta)
         rope = lambda a, b: (co[:, a:b], si[:, a:b])
@@ -364,9 +376,8 @@ def _check_attention(family, n_head, n_kv_head, batch, chunks, seed):
         cache, start = None, 0
         for size in chunks:
             before = None if cache is None else (cache[0].clone(), cache[1].clone())
-            y, cache = mine(x[:, start:start + size], rope(start, start + size), cache)
+            y, cache = attend(mine, x[:, start:start + size], rope(start, start + size), cache)
             tag = f"{family}, {n_head} query / {n_kv_head} KV heads, batch {batch}, {size} token(s) after {start}"
-            assert isinstance(cache, tuple) and len(cache) == 2, f"{tag}: return (y, (k, v))"
             assert cache[0].shape == cache[1].shape == (batch, n_kv_head, start + size, 8), \
                 f"{tag}: cache shape {tuple(cache[0].shape)}, want {(batch, n_kv_head, start + size, 8)}"
             if before is not None:
@@ -383,14 +394,14 @@ _check_attention("gpt2", 4, 4, 2, (4, 1, 1, 3), seed=4)          # MHA, no rope
 _check_attention("llama", 4, 4, 1, (6, 2, 1), seed=5)            # MHA with rope
 # an empty cache (0 tokens) behaves like no cache
 torch.manual_seed(6)
-ref = Attention(tiny_cfg, 0).eval()
-mine = CachedAttention(tiny_cfg, 0).eval()
+ref = Attention(tiny_cfg, 0).eval().to(dev)
+mine = CachedAttention(tiny_cfg, 0).eval().to(dev)
 mine.load_state_dict(ref.state_dict())
-x6 = torch.randn(1, 3, tiny_cfg.d_model)
-co, si = rope_cos_sin(torch.arange(3)[None], tiny_cfg.head_dim, tiny_cfg.rope_theta)
-empty = (torch.zeros(1, 2, 0, 8), torch.zeros(1, 2, 0, 8))
+x6 = torch.randn(1, 3, tiny_cfg.d_model, device=dev)
+co, si = rope_cos_sin(torch.arange(3, device=dev)[None], tiny_cfg.head_dim, tiny_cfg.rope_theta)
+empty = (torch.zeros(1, 2, 0, 8, device=dev), torch.zeros(1, 2, 0, 8, device=dev))
 with torch.no_grad():
-    y, (k, v) = mine(x6, (co, si), empty)
+    y, (k, v) = attend(mine, x6, (co, si), empty)
     assert k.shape == (1, 2, 3, 8) and torch.allclose(y, ref(x6, (co, si)), atol=1e-5), "an empty cache acts as no cache"
 ### END HIDDEN TESTS
 """),
@@ -458,17 +469,18 @@ md(r"""
 Two given helpers. `with_kv_cache(model)` turns a loaded `Decoder` into your `CachedDecoder` with the
 **same** weight tensors (no copy: the modules are built on PyTorch's `meta` device, which allocates
 nothing, and then take the model's tensors). `random_decoder(...)` builds a tiny model with random
-weights, for tests that must be fast.
+weights, for tests that must be fast. Each test grades its own problem: the test of Problem 2 runs
+your decoder on the course's `CachedAttention` (`course/engine/kv_cache.py`, lab 03's answers
+released), and the tests of Problem 3 run your loop on the course's `CachedDecoder`, so one mistake
+costs the points of one problem only.
 """),
 locked("helpers", r"""
+from course.engine import kv_cache as course_kv   # lab 03's answers, released: the tests grade each problem on its own
+
+
 def with_kv_cache(model: Decoder) -> CachedDecoder:
-    # A CachedDecoder sharing model's weight tensors: same numbers, your cached forward.
-    with torch.device("meta"):
-        cached = CachedDecoder(model.cfg)                            # shapes only, no memory
-    cached.load_state_dict(model.state_dict(), assign=True)          # take model's tensors as they are
-    if model.cfg.tie_embeddings:
-        cached.lm_head.weight = cached.embed.weight                  # keep the output layer tied to the embedding
-    return cached.eval()
+    # A CachedDecoder (yours) sharing model's weight tensors: same numbers, your cached forward.
+    return course_kv.with_kv_cache(model, CachedDecoder)
 
 
 def random_decoder(family: str = "llama", n_head: int = 4, n_kv_head: int = 2, n_layer: int = 3, seed: int = 0) -> Decoder:
@@ -480,14 +492,14 @@ def random_decoder(family: str = "llama", n_head: int = 4, n_kv_head: int = 2, n
     m = Decoder(c).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
+            noise = torch.randn(p.shape, generator=g)              # cpu: a seeded draw; the model moves to env.device below
             if p.dim() == 2:                                   # matrices and embeddings
                 p.copy_(0.3 * noise)
             elif "norm" in name and name.endswith("weight"):   # norm scales around 1
                 p.copy_(1 + 0.1 * noise)
             else:                                              # biases
                 p.copy_(0.1 * noise)
-    return m
+    return m.to(env.device)
 """),
 md(r"""
 The test runs a tiny 3-layer GQA model without a cache on 9 tokens, then yours: a prefill of 6 tokens
@@ -495,48 +507,62 @@ and 3 decode steps. The logits of each new token must be those of the uncached m
 Then the same on SmolLM2 itself.
 """),
 tests("cached_decoder_tests", 2, r"""
-tiny = random_decoder("llama", n_head=4, n_kv_head=2, n_layer=3, seed=0)
-ctiny = with_kv_cache(tiny)
-seq = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(0))
-pos = torch.arange(9)[None]
+from course.expect import expect_tensor, expect_tuple, expect_type, substituted
+
+def step(m, ids, pos, cache=None):   # your decoder's answer, (logits, cache), checked before it is compared
+    logits, new = expect_tuple(m(ids, pos, cache), "CachedDecoder.forward(...)", 2)
+    B, T = ids.shape
+    logits = expect_tensor(logits, "the logits", shape=(B, T, m.cfg.vocab_size), device=ids.device)
+    new = expect_type(new, "the cache CachedDecoder returns (a list of (k, v), one per layer)", list)
+    assert len(new) == m.cfg.n_layer, f"return one (k, v) per layer: a list of {m.cfg.n_layer}, got {len(new)}"
+    for i, kv in enumerate(new):
+        k, v = expect_tuple(kv, f"cache[{i}]", 2)
+        expect_tensor(k, f"cache[{i}][0] (k)", ndim=4, device=ids.device), expect_tensor(v, f"cache[{i}][1] (v)", ndim=4, device=ids.device)
+    return logits, new
+
+dev = env.device
+with substituted(globals(), CachedAttention=course_kv.CachedAttention):   # Problem 2 graded on its own
+    tiny = random_decoder("llama", n_head=4, n_kv_head=2, n_layer=3, seed=0)
+    ctiny = with_kv_cache(tiny)
+    cmodel = with_kv_cache(model_fp32)
+seq = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(0)).to(dev)
+pos = torch.arange(9, device=dev)[None]
 with torch.no_grad():
     full = tiny(seq, pos)                                             # uncached: logits at all 9 positions
-    logits, cache = ctiny(seq[:, :6], pos[:, :6])                     # prefill 6 tokens
-    assert isinstance(cache, list) and len(cache) == 3, f"return one (k, v) per layer: a list of 3, got {type(cache).__name__}"
+    logits, cache = step(ctiny, seq[:, :6], pos[:, :6])               # prefill 6 tokens
     assert all(k.shape == v.shape == (1, 2, 6, 8) for k, v in cache), "each layer caches (B, n_kv_head, 6, head_dim) after a 6-token prefill"
-    assert torch.allclose(logits, full[:, :6], atol=1e-4), "prefill logits differ from the uncached model (does Problem 1's test pass?)"
+    assert torch.allclose(logits, full[:, :6], atol=1e-4), "prefill logits differ from the uncached model"
     for t in (6, 7, 8):                                               # decode: feed ONLY token t, at position t
-        logits, cache = ctiny(seq[:, t:t + 1], pos[:, t:t + 1], cache)
-        assert logits.shape == (1, 1, 97), f"decode returns logits for the new token only: (1, 1, V), got {tuple(logits.shape)}"
+        logits, cache = step(ctiny, seq[:, t:t + 1], pos[:, t:t + 1], cache)
         assert torch.allclose(logits, full[:, t:t + 1], atol=1e-4), \
             f"decode at position {t} differs from the uncached model: does block i get kv_cache[i], and does the list you return hold each block's NEW cache?"
-# the real model: prefill, then two decode steps
-cmodel = with_kv_cache(model)
-ids = tokenizer("The cache keeps the keys", return_tensors="pt").input_ids.to(env.device)
+# the real model (float32): prefill, then two decode steps
+ids = tokenizer("The cache keeps the keys", return_tensors="pt").input_ids.to(dev)
 T = ids.shape[1]
-positions = torch.arange(T, device=env.device)[None]
+positions = torch.arange(T, device=dev)[None]
 with torch.no_grad():
-    full = model(ids, positions)
-    logits, cache = cmodel(ids[:, :T - 2], positions[:, :T - 2])
+    full = model_fp32(ids, positions)
+    logits, cache = step(cmodel, ids[:, :T - 2], positions[:, :T - 2])
     for t in (T - 2, T - 1):
-        logits, cache = cmodel(ids[:, t:t + 1], positions[:, t:t + 1], cache)
+        logits, cache = step(cmodel, ids[:, t:t + 1], positions[:, t:t + 1], cache)
         assert torch.allclose(logits, full[:, t:t + 1], atol=1e-3), f"SmolLM2: decode logits at position {t} differ from the uncached model"
-assert len(cache) == cfg.n_layer and cache[0][0].shape == (1, cfg.n_kv_head, T, cfg.head_dim)
+assert cache[0][0].shape == (1, cfg.n_kv_head, T, cfg.head_dim), \
+    f"SmolLM2's cache holds (1, {cfg.n_kv_head}, {T}, {cfg.head_dim}) per layer after {T} tokens; got {tuple(cache[0][0].shape)}"
 ### BEGIN HIDDEN TESTS
 def _check_decoder(family, n_head, n_kv_head, n_layer, batch, chunks, seed):
     ref = random_decoder(family, n_head=n_head, n_kv_head=n_kv_head, n_layer=n_layer, seed=seed)
-    mine = with_kv_cache(ref)
+    with substituted(globals(), CachedAttention=course_kv.CachedAttention):
+        mine = with_kv_cache(ref)
     total = sum(chunks)
     g = torch.Generator().manual_seed(seed)
-    ids_ = torch.randint(0, 97, (batch, total), generator=g)
-    pos_ = torch.arange(total)[None].expand(batch, total).contiguous()
+    ids_ = torch.randint(0, 97, (batch, total), generator=g).to(dev)
+    pos_ = torch.arange(total, device=dev)[None].expand(batch, total).contiguous()
     with torch.no_grad():
         want = ref(ids_, pos_)
         cache, start = None, 0
         for size in chunks:
-            got, cache = mine(ids_[:, start:start + size], pos_[:, start:start + size], cache)
+            got, cache = step(mine, ids_[:, start:start + size], pos_[:, start:start + size], cache)
             tag = f"{family}, {n_head}/{n_kv_head} heads, {n_layer} layers, batch {batch}, {size} token(s) after {start}"
-            assert len(cache) == n_layer, f"{tag}: the cache must have one entry per layer"
             for i, (k, v) in enumerate(cache):
                 assert k.shape == v.shape == (batch, n_kv_head, start + size, 8), f"{tag}: layer {i} cache shape {tuple(k.shape)}"
             assert torch.allclose(got, want[:, start:start + size], atol=1e-4), f"{tag}: logits differ from the uncached model"
@@ -602,25 +628,31 @@ text_ids = cached_generate(cmodel, prompt_ids, max_new_tokens=20, eos_token_id=t
 print(repr(tokenizer.decode(text_ids[0])))
 """),
 tests("cached_generate_matches", 2, r"""
-cmodel = with_kv_cache(model)
+from course.expect import expect_tensor
+
+def generated(m, ids, n, **kwargs):   # your loop's answer, checked before it is compared
+    return expect_tensor(cached_generate(m, ids, n, **kwargs), f"cached_generate(..., {n})", dtype=torch.long, ndim=2,
+                         device=ids.device)
+
+course_cached = course_kv.with_kv_cache(model_fp32)           # the course's CachedDecoder: Problem 3 graded on its own
 ids = tokenizer("My trip to Yosemite was", return_tensors="pt").input_ids.to(env.device)
-fast = cached_generate(cmodel, ids, max_new_tokens=16)
-slow = greedy_generate(model, ids, max_new_tokens=16)
+fast = generated(course_cached, ids, 16)
+slow = greedy_generate(model_fp32, ids, max_new_tokens=16)
 assert fast.shape == slow.shape, f"expected the prompt + 16 tokens, shape {tuple(slow.shape)}; got {tuple(fast.shape)}"
 assert torch.equal(fast[:, :ids.shape[1]], ids), "the output starts with the prompt"
 assert torch.equal(fast, slow), \
-    "cached and uncached generation differ: check the decode position id (tokens already cached) and the mask"
+    "cached and uncached generation differ: check the decode position id (tokens already cached) and that you pass the cache back"
 ### BEGIN HIDDEN TESTS
 ids_ = tokenizer("def add(a, b):", return_tensors="pt").input_ids.to(env.device)
 want = hf_model.generate(ids_, max_new_tokens=16, do_sample=False)
-got = cached_generate(cmodel, ids_, max_new_tokens=16)
+got = generated(course_cached, ids_, 16)
 assert torch.equal(got, want), "differs from hf generate for 'def add(a, b):'"
 chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
                                      add_generation_prompt=True, return_tensors="pt")
 chat = (chat if isinstance(chat, torch.Tensor) else chat["input_ids"]).to(env.device)
 want = hf_model.generate(chat, max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id)
-assert want[0, -1].item() == tokenizer.eos_token_id and want.shape[1] < chat.shape[1] + 24
-got = cached_generate(cmodel, chat, max_new_tokens=24, eos_token_id=tokenizer.eos_token_id)
+assert want[0, -1].item() == tokenizer.eos_token_id and want.shape[1] < chat.shape[1] + 24, "the reference must stop at EOS"
+got = generated(course_cached, chat, 24, eos_token_id=tokenizer.eos_token_id)
 assert torch.equal(got, want), "stop right after appending eos_token_id, and keep it"
 
 
@@ -628,7 +660,7 @@ def _ref_greedy(m, x, n, eos=None):
     # uncached greedy loop: the whole sequence at every step
     with torch.no_grad():
         for _ in range(n):
-            nxt = m(x, torch.arange(x.shape[1])[None])[0, -1].argmax().view(1, 1)
+            nxt = m(x, torch.arange(x.shape[1], device=x.device)[None])[0, -1].argmax().view(1, 1)
             x = torch.cat([x, nxt], 1)
             if eos is not None and nxt.item() == eos:
                 break
@@ -637,12 +669,12 @@ def _ref_greedy(m, x, n, eos=None):
 
 for fam, h, hkv, seed in (("llama", 4, 2, 20), ("gpt2", 4, 4, 21), ("llama", 6, 3, 22)):
     ref = random_decoder(fam, n_head=h, n_kv_head=hkv, n_layer=2, seed=seed)
-    start_ = torch.tensor([[3, 14, 15, 92]])
+    start_ = torch.tensor([[3, 14, 15, 92]], device=env.device)
     want = _ref_greedy(ref, start_, 20)
-    got = cached_generate(with_kv_cache(ref), start_, 20)
+    got = generated(course_kv.with_kv_cache(ref), start_, 20)
     assert torch.equal(got, want), f"tiny {fam} model ({h}/{hkv} heads): cached generation differs from the uncached loop"
-    one = torch.tensor([[7]])
-    assert torch.equal(cached_generate(with_kv_cache(ref), one, 12), _ref_greedy(ref, one, 12)), f"tiny {fam}: a one-token prompt"
+    one = torch.tensor([[7]], device=env.device)
+    assert torch.equal(generated(course_kv.with_kv_cache(ref), one, 12), _ref_greedy(ref, one, 12)), f"tiny {fam}: a one-token prompt"
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -666,30 +698,36 @@ class Recorder:
         return getattr(self.inner, name)
 
 
-rec = Recorder(with_kv_cache(random_decoder("llama", seed=1)))
-prompt = torch.tensor([[5, 6, 7, 8, 9]])
-out = cached_generate(rec, prompt, max_new_tokens=6)
+from course.expect import expect_tensor
+
+rec = Recorder(course_kv.with_kv_cache(random_decoder("llama", seed=1)))   # the course's CachedDecoder: Problem 3 alone
+prompt = torch.tensor([[5, 6, 7, 8, 9]], device=env.device)
+out = expect_tensor(cached_generate(rec, prompt, max_new_tokens=6), "cached_generate(rec, prompt, 6)", dtype=torch.long,
+                    device=env.device)
 assert out.shape == (1, 11), f"prompt (5) + 6 new tokens: (1, 11); got {tuple(out.shape)}"
 assert len(rec.calls) == 6, f"6 new tokens take 6 calls (1 prefill + 5 decode steps); you made {len(rec.calls)}"
 first_ids, first_pos, first_cache = rec.calls[0]
-assert torch.equal(first_ids, prompt) and torch.equal(first_pos.cpu(), torch.arange(5)[None]) and first_cache is None, \
+assert torch.equal(first_ids, prompt) and torch.equal(first_pos, torch.arange(5, device=env.device)[None]) \
+    and first_cache is None, \
     "call 1 is the prefill: the whole prompt, positions 0..4, no cache"
 for i, (x, p, n_cached) in enumerate(rec.calls[1:], start=1):
     assert x.shape == (1, 1), f"decode call {i + 1} must feed only the newest token, shape (1, 1); got {tuple(x.shape)}"
     assert x.item() == out[0, 4 + i].item(), f"decode call {i + 1} must feed the token chosen at the previous step"
     assert n_cached == 4 + i, f"decode call {i + 1} must pass the cache returned by the previous call ({4 + i} tokens); it held {n_cached}"
     assert p.tolist() == [[4 + i]], f"decode call {i + 1}: the new token sits at position {4 + i} (tokens already cached); you passed {p.tolist()}"
-assert torch.equal(cached_generate(rec, prompt, max_new_tokens=0), prompt), "max_new_tokens=0 returns the prompt unchanged"
+same = expect_tensor(cached_generate(rec, prompt, max_new_tokens=0), "cached_generate(rec, prompt, 0)", dtype=torch.long)
+assert torch.equal(same, prompt), "max_new_tokens=0 returns the prompt unchanged"
 ### BEGIN HIDDEN TESTS
 ref = random_decoder("gpt2", n_head=4, n_kv_head=4, n_layer=2, seed=30)
 with torch.no_grad():   # find an EOS the model emits mid-way: the 4th token of a free run
-    x = torch.tensor([[1, 2, 3]])
+    x = torch.tensor([[1, 2, 3]], device=env.device)
     for _ in range(10):
-        x = torch.cat([x, ref(x, torch.arange(x.shape[1])[None])[0, -1].argmax().view(1, 1)], 1)
+        x = torch.cat([x, ref(x, torch.arange(x.shape[1], device=env.device)[None])[0, -1].argmax().view(1, 1)], 1)
 eos = x[0, 6].item()
 first = (x[0, 3:] == eos).nonzero()[0, 0].item() + 3
-rec = Recorder(with_kv_cache(ref))
-got = cached_generate(rec, x[:, :3], max_new_tokens=10, eos_token_id=eos)
+rec = Recorder(course_kv.with_kv_cache(ref))
+got = expect_tensor(cached_generate(rec, x[:, :3], max_new_tokens=10, eos_token_id=eos), "cached_generate(..., eos_token_id)",
+                    dtype=torch.long, device=env.device)
 assert torch.equal(got, x[:, :first + 1]), "stop right after the first EOS, keeping it"
 assert len(rec.calls) == first + 1 - 3, f"stopping at EOS after {first + 1 - 3} tokens takes {first + 1 - 3} calls, not {len(rec.calls)}"
 assert [c[1].tolist() for c in rec.calls[1:]] == [[[p]] for p in range(3, first)], "position ids of the decode calls"
@@ -759,21 +797,26 @@ The test measures the real thing without your cache: during one forward pass of 
 hooks on every layer's `k_proj` and `v_proj` catch the keys and values a cache would have to keep.
 """),
 tests("kv_cache_bytes_tests", 2, r"""
+from course.expect import expect_float
+
+def nbytes(*args, **kwargs):   # kv_cache_bytes(...), a number, checked before it is compared
+    return expect_float(kv_cache_bytes(*args, **kwargs), "kv_cache_bytes(...)")
+
 ids = tokenizer("How large does the cache grow?", return_tensors="pt").input_ids.to(env.device)
 caught = []
 hooks = [proj.register_forward_hook(lambda m, i, o: caught.append(o))
-         for blk in model.blocks for proj in (blk.attn.k_proj, blk.attn.v_proj)]
+         for blk in model_fp32.blocks for proj in (blk.attn.k_proj, blk.attn.v_proj)]
 with torch.no_grad():
-    model(ids, torch.arange(ids.shape[1], device=env.device)[None])
+    model_fp32(ids, torch.arange(ids.shape[1], device=env.device)[None])
 for h in hooks:
     h.remove()
 real_bytes = sum(t.numel() * t.element_size() for t in caught)     # K and V of every layer, float32
-assert len(caught) == 2 * cfg.n_layer
-got = kv_cache_bytes(cfg, ids.shape[1], bytes_per_value=4)
+assert len(caught) == 2 * cfg.n_layer, "the hooks must catch a key and a value per layer"
+got = nbytes(cfg, ids.shape[1], bytes_per_value=4)
 assert got == real_bytes, f"{ids.shape[1]} tokens of SmolLM2 in float32: the keys and values take {real_bytes:,} bytes; you have {got:,}"
-assert kv_cache_bytes(cfg, 1000, batch=4) == 4 * kv_cache_bytes(cfg, 1000), "every sequence in the batch has its own cache"
+assert nbytes(cfg, 1000, batch=4) == 4 * nbytes(cfg, 1000), "every sequence in the batch has its own cache"
 mha = dataclasses.replace(cfg, n_kv_head=cfg.n_head)                 # the same model with one KV head per query head
-assert kv_cache_bytes(mha, 1000) == 3 * kv_cache_bytes(cfg, 1000), \
+assert nbytes(mha, 1000) == 3 * nbytes(cfg, 1000), \
     "with 9 KV heads instead of 3 the cache is 3 times larger: count n_kv_head, not n_head"
 ### BEGIN HIDDEN TESTS
 _C = course.ModelConfig
@@ -785,7 +828,7 @@ for c in (
     hd = c.d_model // c.n_head
     for n, b, bpv in ((0, 1, 2), (1, 1, 2), (4096, 8, 2), (777, 3, 1), (131072, 1, 0.5)):
         want = c.n_layer * 2 * c.n_kv_head * hd * n * b * bpv
-        assert abs(kv_cache_bytes(c, n, batch=b, bytes_per_value=bpv) - want) < 1e-6, \
+        assert abs(nbytes(c, n, batch=b, bytes_per_value=bpv) - want) < 1e-6, \
             f"{c.n_layer} layers, {c.n_kv_head} KV heads, {n} tokens, batch {b}, {bpv} bytes: want {want}"
 for bad in (dict(n_tokens=-1), dict(n_tokens=10, batch=0), dict(n_tokens=10, bytes_per_value=0)):
     try:

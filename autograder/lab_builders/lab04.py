@@ -62,7 +62,9 @@ import torch
 from course.engine import SlotKVCache, forward_cached
 
 tokenizer = course.load_tokenizer()
-model = course.load_model(device=env.device)
+model = course.load_model(device=env.device, dtype=env.dtype)
+# Token-for-token checks run in float32: in bf16 two correct programs can round a near-tie differently.
+model_fp32 = model if env.dtype == torch.float32 else course.load_model(device=env.device)
 dev = env.device
 
 prompt = tokenizer("The capital of France is").input_ids            # list[int]
@@ -180,10 +182,10 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
     T = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)   # (B, T)
-    attention_mask = torch.zeros((len(prompts), T), dtype=torch.long)     # (B, T)
+    input_ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)   # cpu: (B, T), as the deliverable says
+    attention_mask = torch.zeros((len(prompts), T), dtype=torch.long)     # cpu: (B, T)
     for b, p in enumerate(prompts):
-        input_ids[b, T - len(p):] = torch.tensor(p, dtype=torch.long)
+        input_ids[b, T - len(p):] = torch.tensor(p, dtype=torch.long)       # cpu: into the CPU rectangle
         attention_mask[b, T - len(p):] = 1
     return input_ids, attention_mask
     ### END SOLUTION
@@ -203,18 +205,28 @@ print(demo_mask)
 print(position_ids_from_mask(demo_mask))
 """),
 tests("left_pad_tests", 3, r"""
-ids, mask = left_pad([[5, 6, 7], [8, 9]], pad_id=0)
+from course.expect import expect_tensor, expect_tuple
+
+def padded(prompts, pad_id):   # left_pad's answer, checked before it is compared
+    ids, mask = expect_tuple(left_pad(prompts, pad_id), "left_pad(...)", 2)
+    shape = (len(prompts), max(map(len, prompts)))
+    return (expect_tensor(ids, "input_ids", dtype=torch.long, shape=shape, device="cpu"),
+            expect_tensor(mask, "attention_mask", dtype=torch.long, shape=shape, device="cpu"))
+
+def positions(mask):
+    return expect_tensor(position_ids_from_mask(mask), "position_ids_from_mask(mask)", dtype=torch.long,
+                         shape=tuple(mask.shape), device=mask.device)
+
+ids, mask = padded([[5, 6, 7], [8, 9]], pad_id=0)
 assert ids.tolist() == [[5, 6, 7], [0, 8, 9]], "pads go on the LEFT: every row's newest token ends up in the last column"
 assert mask.tolist() == [[1, 1, 1], [0, 1, 1]], "the mask is 1 on a real token and 0 on a pad"
-assert ids.dtype == torch.long and mask.dtype == torch.long, "token ids and the mask are torch.long tensors"
-pos = position_ids_from_mask(mask)
+pos = positions(mask.to(dev))
 assert pos.tolist() == [[0, 1, 2], [0, 0, 1]], "positions count real tokens only: a row's first real token is at position 0"
 ### BEGIN HIDDEN TESTS
-ids, mask = left_pad([[3], [4, 5, 6, 7], [9, 9]], pad_id=42)
+ids, mask = padded([[3], [4, 5, 6, 7], [9, 9]], pad_id=42)
 assert ids.tolist() == [[42, 42, 42, 3], [4, 5, 6, 7], [42, 42, 9, 9]], "pad with pad_id, on the left"
-assert mask.tolist() == [[0, 0, 0, 1], [1, 1, 1, 1], [0, 0, 1, 1]]
-assert ids.shape == mask.shape == (3, 4)
-ids, mask = left_pad([[1, 2, 3]], pad_id=0)
+assert mask.tolist() == [[0, 0, 0, 1], [1, 1, 1, 1], [0, 0, 1, 1]], "the mask marks the real tokens, right-aligned"
+ids, mask = padded([[1, 2, 3]], pad_id=0)
 assert ids.tolist() == [[1, 2, 3]] and mask.tolist() == [[1, 1, 1]], "one prompt: nothing to pad"
 for bad in ([], [[1, 2], []]):
     try:
@@ -223,13 +235,13 @@ for bad in ([], [[1, 2], []]):
         pass
     else:
         raise AssertionError(f"left_pad({bad}) must raise ValueError")
-m = torch.tensor([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+m = torch.tensor([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 0, 0, 1]], device=dev)
 expect = [[0, 0, 0, 0, 1], [0, 1, 2, 3, 4], [0, 0, 1, 2, 3], [0, 0, 0, 0, 0]]
 for given in (m, m.bool(), m.int()):
-    got = position_ids_from_mask(given)
+    got = positions(given)
     assert got.tolist() == expect, f"positions from a {given.dtype} mask: expected {expect}, got {got.tolist()}"
-    assert got.dtype == torch.long, "position ids are torch.long"
-assert position_ids_from_mask(torch.ones(2, 6, dtype=torch.long)).tolist() == [list(range(6))] * 2
+assert positions(torch.ones(2, 6, dtype=torch.long, device=dev)).tolist() == [list(range(6))] * 2, \
+    "a row with no pads is numbered 0, 1, 2, ..."
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -251,7 +263,7 @@ gpt2_cfg = course.ModelConfig(family="gpt2", vocab_size=model.cfg.vocab_size, n_
 gpt2_like = course.models.init_weights(course.Decoder(gpt2_cfg), std=0.5).to(dev)
 for name, m in (("SmolLM2 (RoPE)", model), ("GPT-2-style (learned positions)", gpt2_like)):
     right = last_logits(m, demo_ids, demo_mask, position_ids_from_mask(demo_mask))
-    wrong = last_logits(m, demo_ids, demo_mask, torch.arange(demo_ids.shape[1]).expand_as(demo_ids))  # counted over the pads
+    wrong = last_logits(m, demo_ids, demo_mask, torch.arange(demo_ids.shape[1], device=dev).expand_as(demo_ids))  # counted over the pads
     print(f"{name:32s} largest logit change when positions count the pads: {(right - wrong).abs().max().item():.1e}")
 """),
 md(r"""
@@ -313,12 +325,22 @@ for text, out in zip(texts, static_generate(model, prompts, max_new_tokens=[12, 
     print(f"{text!r:28} -> {tokenizer.decode(out)!r}")
 """),
 tests("static_generate_tests", 3, r"""
+from course.engine import batching as course_batching   # lab 04's answers, released
+from course.expect import expect_ints, expect_type, substituted
+
+def static(m, prompts, n, **kwargs):   # your static_generate, on the course's padding (Problem 2 graded on its own)
+    with substituted(globals(), left_pad=course_batching.left_pad,
+                     position_ids_from_mask=course_batching.position_ids_from_mask):
+        out = expect_type(static_generate(m, prompts, n, **kwargs), "static_generate(...)", list)
+    assert len(out) == len(prompts), f"one list of new tokens per prompt: expected {len(prompts)}, got {len(out)}"
+    return [expect_ints(o, f"static_generate(...)[{i}]") for i, o in enumerate(out)]
+
 prompts = [tokenizer(t).input_ids for t in ("The capital of France is", "Hello", "def fibonacci(n):")]
-batched = static_generate(model, prompts, max_new_tokens=6)
+batched = static(model_fp32, prompts, 6)
 assert [len(o) for o in batched] == [6, 6, 6], f"expected 6 new tokens per prompt, got lengths {[len(o) for o in batched]}"
-alone = [static_generate(model, [p], max_new_tokens=6)[0] for p in prompts]
+alone = [static(model_fp32, [p], 6)[0] for p in prompts]
 assert batched == alone, "each row of the batch must equal its prompt generated alone: check the padding side, mask and positions"
-assert [len(o) for o in static_generate(model, prompts, max_new_tokens=[1, 3, 2])] == [1, 3, 2], "one limit per prompt"
+assert [len(o) for o in static(model_fp32, prompts, [1, 3, 2])] == [1, 3, 2], "one limit per prompt"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_REFERENCE + r"""
 for family, seed in (("gpt2", 1), ("llama", 2)):
@@ -326,17 +348,17 @@ for family, seed in (("gpt2", 1), ("llama", 2)):
     g = torch.Generator().manual_seed(seed)
     ps = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (1, 7, 3, 5)]
     refs = [_ref_greedy(tiny, p, 9) for p in ps]
-    got = static_generate(tiny, ps, max_new_tokens=9)
+    got = static(tiny, ps, 9)
     assert got == refs, f"{family}: batched output differs from each prompt alone (padding side, mask or positions)"
     # per-prompt limits, and EOS in the middle of the batch: the row stops, keeps its EOS, the others go on
     eos = refs[1][2]
     stop = [r[: r.index(eos) + 1] if eos in r[:n] else r[:n] for r, n in zip(refs, (9, 9, 4, 6))]
-    assert any(len(s) < n for s, n in zip(stop, (9, 9, 4, 6)) if s[-1] == eos)
-    got = static_generate(tiny, ps, max_new_tokens=[9, 9, 4, 6], eos_token_id=eos, pad_id=63)
+    assert any(len(s) < n for s, n in zip(stop, (9, 9, 4, 6)) if s[-1] == eos), "the reference must stop a row at EOS"
+    got = static(tiny, ps, [9, 9, 4, 6], eos_token_id=eos, pad_id=63)
     assert got == stop, f"{family}: stop each row right after its EOS (kept) or at its own limit; expected {stop}, got {got}"
-    assert static_generate(tiny, ps[:1], max_new_tokens=1) == [refs[0][:1]], "max_new_tokens=1: the prefill's token only"
+    assert static(tiny, ps[:1], 1) == [refs[0][:1]], "max_new_tokens=1: the prefill's token only"
 real = [tokenizer(t).input_ids for t in ("My trip to Yosemite was", "Water boils at")]
-assert static_generate(model, real, max_new_tokens=5) == [_ref_greedy(model, p, 5) for p in real]
+assert static(model_fp32, real, 5) == [_ref_greedy(model_fp32, p, 5) for p in real], "differs from each prompt alone on SmolLM2"
 try:
     static_generate(model, real, max_new_tokens=0)
 except ValueError:
@@ -470,37 +492,50 @@ class Scheduler:
         ### END SOLUTION
 '''),
 tests("scheduler_tests", 3, r"""
+from course.expect import expect_int, expect_type
+
+def requests(got, what):   # a list of Request objects, checked before it is compared
+    got = expect_type(got, what, list)
+    for i, r in enumerate(got):
+        expect_type(r, f"{what}[{i}]", Request)
+        if r.slot is not None:
+            expect_int(r.slot, f"{what}[{i}].slot")
+    return got
+
 reqs = [Request(i, [1, 2], max_new_tokens=2) for i in range(3)]
 sched = Scheduler(reqs, max_batch_size=2)
-first = sched.admit(step=0)
+first = requests(sched.admit(step=0), "admit(0)")
 assert [r.rid for r in first] == [0, 1], "admit the oldest requests first, as many as there are free slots"
 assert sorted(r.slot for r in first) == [0, 1], "each admitted request gets its own free slot"
-assert [r.rid for r in sched.waiting] == [2] and sched.admit(step=1) == [], "no free slot: request 2 waits"
+assert [r.rid for r in sched.waiting] == [2] and requests(sched.admit(step=1), "admit(1)") == [], "no free slot: request 2 waits"
 reqs[0].output = [7, 7]                                  # request 0 has its 2 tokens
-assert [r.rid for r in sched.retire()] == [0], "a request with max_new_tokens tokens is done"
+assert [r.rid for r in requests(sched.retire(), "retire()")] == [0], "a request with max_new_tokens tokens is done"
 assert [r.rid for r in sched.running] == [1], "a retired request leaves running"
-third = sched.admit(step=2)
+third = requests(sched.admit(step=2), "admit(2)")
 assert [r.rid for r in third] == [2] and third[0].slot == reqs[0].slot, "the freed slot goes to the next waiting request"
 ### BEGIN HIDDEN TESTS
 # arrivals: nobody is admitted before arriving; ties keep the given order
 reqs = [Request(i, [1], max_new_tokens=3, arrival=a) for i, a in enumerate([4, 0, 2, 0, 9])]
 sched = Scheduler(reqs, max_batch_size=3)
-assert [r.rid for r in sched.admit(0)] == [1, 3], "only arrived requests, in arrival order"
-assert [r.rid for r in sched.admit(1)] == [], "request 2 arrives at step 2"
-assert [r.rid for r in sched.admit(2)] == [2]
-assert [r.rid for r in sched.admit(5)] == [], "full: request 0 must wait for a slot"
-assert len({r.slot for r in sched.running}) == 3 and {r.slot for r in sched.running} <= {0, 1, 2}
+assert [r.rid for r in requests(sched.admit(0), "admit(0)")] == [1, 3], "only arrived requests, in arrival order"
+assert [r.rid for r in requests(sched.admit(1), "admit(1)")] == [], "request 2 arrives at step 2"
+assert [r.rid for r in requests(sched.admit(2), "admit(2)")] == [2], "request 2 has arrived and a slot is free"
+assert [r.rid for r in requests(sched.admit(5), "admit(5)")] == [], "full: request 0 must wait for a slot"
+assert len({r.slot for r in sched.running}) == 3 and {r.slot for r in sched.running} <= {0, 1, 2}, \
+    "three running requests, each in its own slot among 0, 1, 2"
 # EOS ends a request early; without eos_token_id only the length counts; adjacent finished requests all leave
 sched = Scheduler([Request(i, [1], max_new_tokens=5) for i in range(4)], max_batch_size=4, eos_token_id=9)
-a, b, c, d = sched.admit(0)
+a, b, c, d = requests(sched.admit(0), "admit(0)")
 a.output, b.output, c.output, d.output = [3, 9], [9], [3, 4], [1, 2, 3, 4, 5]
-assert sorted(r.rid for r in sched.retire()) == [0, 1, 3], "retire EOS-ended and full requests, every one of them"
-assert [r.rid for r in sched.running] == [2] and sorted(sched.free_slots) == sorted({0, 1, 2, 3} - {c.slot})
-assert sorted(r.rid for r in sched.finished) == [0, 1, 3] and sched.retire() == []
+assert sorted(r.rid for r in requests(sched.retire(), "retire()")) == [0, 1, 3], "retire EOS-ended and full requests, every one of them"
+assert [r.rid for r in sched.running] == [2] and sorted(sched.free_slots) == sorted({0, 1, 2, 3} - {c.slot}), \
+    "retired requests give their slots back; the one still running keeps its own"
+assert sorted(r.rid for r in sched.finished) == [0, 1, 3] and requests(sched.retire(), "retire()") == [], \
+    "retired requests go to finished, once"
 sched = Scheduler([Request(0, [1], max_new_tokens=5)], max_batch_size=1)
-r0, = sched.admit(0)
+r0, = requests(sched.admit(0), "admit(0)")
 r0.output = [9, 9]
-assert sched.retire() == [], "with eos_token_id=None only max_new_tokens ends a request"
+assert requests(sched.retire(), "retire()") == [], "with eos_token_id=None only max_new_tokens ends a request"
 # a long simulation: FIFO admission, never more than max_batch_size, no idle slot while someone waits, all finish
 import random
 rng = random.Random(0)
@@ -511,7 +546,7 @@ for B in (1, 2, 3):
     for step in range(200):
         if not sched.has_work():
             break
-        admitted += [r.rid for r in sched.admit(step)]
+        admitted += [r.rid for r in requests(sched.admit(step), f"admit({step})")]
         assert len(sched.running) <= B, "never more running requests than max_batch_size"
         assert len({r.slot for r in sched.running}) == len(sched.running), "two running requests share a slot"
         assert not (len(sched.running) < B and sched.waiting and sched.waiting[0].arrival <= step), \
@@ -519,10 +554,10 @@ for B in (1, 2, 3):
         for r in sched.running:
             r.output.append(5)
         before = {r.rid for r in sched.running}
-        gone = sched.retire()
-        assert all(len(r.output) == r.max_new_tokens for r in gone)
+        gone = requests(sched.retire(), "retire()")
+        assert all(len(r.output) == r.max_new_tokens for r in gone), "retire only requests that are done"
         assert all(len(r.output) < r.max_new_tokens for r in sched.running), "a finished request was left running"
-        assert {r.rid for r in gone} | {r.rid for r in sched.running} == before
+        assert {r.rid for r in gone} | {r.rid for r in sched.running} == before, "a request left running without being retired"
     assert admitted == order, f"max_batch_size={B}: admission must follow arrival order {order}, got {admitted}"
     assert not sched.has_work() and len(sched.finished) == len(reqs), "every request must finish"
 ### END HIDDEN TESTS
@@ -678,13 +713,29 @@ for name, run in (("static", static_run), ("continuous", continuous_run)):
 print("same tokens from both engines:", static_run.outputs == continuous_run.outputs)
 """),
 tests("engine_step_tests", 3, r"""
-run = continuous_generate(model, workload8(), max_batch_size=3)
+from course.engine import batching as course_batching   # lab 04's answers, released
+from course.expect import expect_ints, expect_type, substituted
+
+def course_parts():   # your engine_step runs on the course's scheduler and padding: Problem 4 graded on its own
+    return substituted(globals(), Scheduler=course_batching.Scheduler, left_pad=course_batching.left_pad,
+                       position_ids_from_mask=course_batching.position_ids_from_mask)
+
+def checked(run):   # the outputs and each step's states, checked before they are compared
+    for i, o in enumerate(run.outputs):
+        expect_ints(o, f"request {i}'s output")
+    for t, states in enumerate(run.trace):
+        for rid, state in expect_type(states, f"step {t}: what engine_step returned (a dict rid -> state)", dict).items():
+            expect_type(state, f"step {t}: the state of request {rid}", str)
+    return run
+
+with course_parts():
+    run = checked(continuous_generate(model_fp32, workload8(), max_batch_size=3))
 assert [len(o) for o in run.outputs] == lengths8, f"each request gets max_new_tokens tokens: expected {lengths8}, got {[len(o) for o in run.outputs]}"
 def alone(prompt, n):  # the request by itself: greedy, no cache, no batch
     ids = torch.tensor([prompt], device=dev)
     with torch.no_grad():
         for _ in range(n):
-            ids = torch.cat([ids, model(ids, torch.arange(ids.shape[1], device=dev)[None])[:, -1:].argmax(-1)], dim=1)
+            ids = torch.cat([ids, model_fp32(ids, torch.arange(ids.shape[1], device=dev)[None])[:, -1:].argmax(-1)], dim=1)
     return ids[0, len(prompt):].tolist()
 for rid, (t, n) in enumerate(zip(texts8, lengths8)):
     assert run.outputs[rid] == alone(tokenizer(t).input_ids, n), \
@@ -698,7 +749,7 @@ def _serve(m, reqs, B, eos=None):
     # a loop written here, so only the student's engine_step and Scheduler are under test
     for r in reqs:
         r.output, r.slot = [], None
-    sched = Scheduler(reqs, B, eos)
+    sched = course_batching.Scheduler(reqs, B, eos)
     cache = SlotKVCache(m.cfg, n_slots=B, max_len=40, device=m.device)
     calls, trace = [], []
     hook = m.lm_head.register_forward_hook(lambda mod, inp, out: calls.append(tuple(inp[0].shape[:2])))
@@ -708,8 +759,10 @@ def _serve(m, reqs, B, eos=None):
                 break
             calls.clear()
             running_before = {r.rid for r in sched.running}
-            states = engine_step(m, cache, sched, step)
-            assert set(states.values()) <= {"prefill", "decode"}, f"states are 'prefill' or 'decode', got {states}"
+            with course_parts():
+                states = expect_type(engine_step(m, cache, sched, step), "engine_step(...)", dict)
+            assert all(type(v) is str for v in states.values()) and set(states.values()) <= {"prefill", "decode"}, \
+                f"states are 'prefill' or 'decode', got {states}"
             decoding = [rid for rid, s in states.items() if s == "decode"]
             assert set(decoding) == running_before, f"step {step}: decode exactly the requests running before this step"
             decode_calls = [c for c in calls if c[1] == 1 and c[0] == len(decoding)]
@@ -730,7 +783,8 @@ for family, seed in (("llama", 3), ("gpt2", 4)):
     refs = [_ref_greedy(tiny, r.prompt, r.max_new_tokens) for r in reqs]
     for B in (1, 2, 3, 7):
         trace = _serve(tiny, reqs, B)
-        assert [r.output for r in reqs] == refs, f"{family}, max_batch_size={B}: outputs differ from each request alone"
+        assert [expect_ints(r.output, f"request {r.rid}'s output") for r in reqs] == refs, \
+            f"{family}, max_batch_size={B}: outputs differ from each request alone"
         for r in reqs:  # one state per step from its prefill until its last token, then gone
             steps = [t for t, st in enumerate(trace) if r.rid in st]
             assert trace[steps[0]][r.rid] == "prefill" and steps == list(range(steps[0], steps[0] + r.max_new_tokens)), \
@@ -880,7 +934,7 @@ Give it the same requests in the same batches of `B` (EOS ignored, each batch ru
 request), and count only the tokens each request asked for.
 """),
 code(r"""
-hf_model = course.load_hf_model(device=env.device)
+hf_model = course.load_hf_model(device=env.device, dtype=env.dtype)   # the dtype your engines run in
 tokenizer.padding_side = "left"                  # the tokenizer pads for generate, on the left
 
 def hf_static(requests, b):

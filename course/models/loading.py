@@ -96,12 +96,25 @@ def _from_hub(loader, repo: str, name: str, **kwargs):
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL):
-    """The tokenizer of `name` (a transformers tokenizer: encode, decode, eos_token_id, ...)."""
+    """The tokenizer of `name` (a transformers tokenizer: encode, decode, eos_token_id, ...), always
+    with a pad token (see `with_pad_token`)."""
     from transformers import AutoTokenizer
 
     if is_default(name):
-        return AutoTokenizer.from_pretrained(default_model_dir())
-    return _from_hub(AutoTokenizer.from_pretrained, _resolve(name), name)
+        return with_pad_token(AutoTokenizer.from_pretrained(default_model_dir()))
+    return with_pad_token(_from_hub(AutoTokenizer.from_pretrained, _resolve(name), name))
+
+
+def with_pad_token(tokenizer):
+    """`tokenizer`, given a pad token if it has none: its end-of-sequence token, as transformers'
+    `generate` does for such models. Padded batches need one (lab 04): the tokenizer transformers
+    builds from a GGUF file has none, whatever the transformers version."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"the tokenizer of {getattr(tokenizer, 'name_or_path', '?')!r} has neither a pad nor an "
+                             "end-of-sequence token: give it one with tokenizer.add_special_tokens({'pad_token': ...})")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def load_hf_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: torch.dtype = torch.float32):
