@@ -63,9 +63,14 @@ lab: setup
 	$(BIN)/jupyter lab --notebook-dir=labs --ip=127.0.0.1 --port=$(PORT) \
 	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
+# The set-up's time goes into the table of slowest steps that ends `make test` (tests/conftest.py).
+MAKE_START := $(shell date +%s)
+
 test: setup vendor browser sandbox-tools
+	@mkdir -p build && printf 'make set-up (venv, packages, model, npm, chromium, bubblewrap)\t%s\n' \
+	  $$(( $$(date +%s) - $(MAKE_START) )) > build/make-steps.tsv
 	# Two workers on two cores: one torch thread each (two threads per kernel thrash when both run).
-	COURSE_QUICK=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 $(PYTEST_ARGS)
+	COURSE_QUICK=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The GPU proof (autograder/gpu_check.py): on a machine with an NVIDIA GPU. Where this Makefile's
 # set-up cannot run (a bare GPU image: torch, transformers, triton there, no network), run

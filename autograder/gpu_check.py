@@ -186,16 +186,16 @@ def grade_class(labs: list[str]) -> Step:
     missing = [m for m in ("nbgrader", "pytest") if importlib.util.find_spec(m) is None]
     if missing or shutil.which("bwrap") is None:
         return Step(name, "skipped", "needs " + ", ".join(missing + (["bubblewrap (bwrap)"] if shutil.which("bwrap") is None else [])))
-    sys.path.insert(0, str(REPO))
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]
     from autograder.fixtures import build_class
-    from tests.test_grade import _check_expectations, _grade_class
+    from classroom import check_expectations, grade_class
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         subs = build_class(labs=labs, release_dir=root / "rel", hostile=False)
         try:
-            graded = _grade_class(root, subs, labs=labs, cell_timeout=600, budget=1800, gpu=True)
-            _check_expectations(graded)
+            graded = grade_class(root, subs, labs=labs, cell_timeout=600, budget=1800, gpu=True)
+            check_expectations(graded)
         except AssertionError as e:
             return Step(name, "failed", str(e)[:3000])
     return Step(name, "passed", f"{len(subs)} submissions of {len(labs)} lab(s): every score and flag as expected")

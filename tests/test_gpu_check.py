@@ -3,7 +3,6 @@ as nbgrader would, runs a lab and collects what it recorded, and writes its repo
 import subprocess
 import sys
 
-import nbformat
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
 from autograder import REPO, authoring

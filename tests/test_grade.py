@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import csv
 import hashlib
-import html
 import io
 import re
 import shutil
@@ -32,17 +31,16 @@ from nbconvert import HTMLExporter
 from nbgrader.api import Gradebook
 
 from autograder import REPO, authoring, lab_names, lab_notebook
-from autograder.checks import _public_lines, secret_lines
-from autograder.fixtures import HOSTILE_LAB, build_class, expected_score, full_solution, write_class
+from autograder.fixtures import HOSTILE_LAB, build_class, full_solution
 from autograder.grade import collect, tamper
 from autograder.grade.execute import RunLimits, run_notebook
 from autograder.grade.feedback import result_line
 from autograder.grade.outcome import CellResult, Outcome
-from autograder.grade.pipeline import Config, grade_all
 from autograder.grade.repair import cell_kind, grade_id, repair
 from autograder.grade.sandbox import Sandbox
 from autograder.grade.worker import checkpoints, score
 from autograder.release import generate_release
+from classroom import check_expectations, feedback_leaks, grade_class
 from course.selfcheck import check_cells, find_notebook
 
 LAB_NAMES = lab_names()
@@ -301,29 +299,12 @@ def test_a_forged_or_replayed_guard_is_caught(tmp_path, attack, why):
 
 # --- the simulated class ---------------------------------------------------------------------------
 
-def _grade_class(root: Path, subs, **cfg) -> dict:
-    write_class(subs, root / "submitted", root / "students.csv")
-    config = Config(submitted=root / "submitted", autograded=root / "autograded", feedback=root / "feedback",
-                    gradebook=root / "gradebook.db", out=root / "out", students=root / "students.csv",
-                    jobs=2, memory_gib=4, **cfg)
-    outcomes = grade_all(config, log=print)
-    return {"subs": subs, "outcomes": {(o.student, o.lab): o for o in outcomes}, "root": root, "config": config}
-
-
-@pytest.fixture(scope="module")
-def graded_class(tmp_path_factory):
-    """Every lab's five ordinary students (and `absent`), graded as `make grade JOBS=2` does."""
-    root = tmp_path_factory.mktemp("class")
-    subs = build_class(release_dir=root / "fixture-release", hostile=False)
-    return _grade_class(root, subs, cell_timeout=300, budget=1200)
-
-
 @pytest.fixture(scope="module")
 def graded_hostile(tmp_path_factory):
     """Lab 01's hostile students, with a 120 s cell timeout (the infinite loop) and 64 processes."""
     root = tmp_path_factory.mktemp("hostile")
     targets = (str(root / "gradebook.db"), str(lab_notebook(HOSTILE_LAB)),
-               str(root / "submitted" / "patcher" / HOSTILE_LAB / f"{HOSTILE_LAB}.ipynb"))
+               str(root / "submitted" / "patch-builtins" / HOSTILE_LAB / f"{HOSTILE_LAB}.ipynb"))
     subs = [s for s in build_class(labs=[HOSTILE_LAB], release_dir=root / "fixture-release", targets=targets)
             if s.student not in {"full", "blank", "buggy", "yesman", "patcher"}]
     source_hash = hashlib.sha256(lab_notebook(HOSTILE_LAB).read_bytes()).hexdigest()
@@ -332,41 +313,7 @@ def graded_hostile(tmp_path_factory):
     return result
 
 
-def _check_expectations(graded: dict) -> None:
-    problems = []
-    for sub in graded["subs"]:
-        o = graded["outcomes"][(sub.student, sub.lab)]
-        points = {c.grade_id: c.points for c in o.cells}
-        want = expected_score(sub, points)
-        if o.score != want or o.status != sub.expect.status:
-            problems.append(f"{sub.student}/{sub.lab} ({sub.why}): {o.status} {o.score:g}, expected "
-                            f"{sub.expect.status} {want:g}; cells {[(c.grade_id, c.status, c.why[:80]) for c in o.cells]}")
-        shorts, codes = {f.short() for f in o.flags}, {f.code for f in o.flags}
-        missing = [e for e in sub.expect.flags if (e not in shorts if "(" in e else e not in codes)]
-        extra = codes - {e.split("(")[0] for e in sub.expect.flags} - sub.expect.maybe
-        if missing or extra:
-            problems.append(f"{sub.student}/{sub.lab}: flags {sorted(shorts)}; missing {missing}, unexpected {sorted(extra)}: "
-                            + "; ".join(f"{f.code}({f.cell}): {f.detail[:120]}" for f in o.flags))
-    assert not problems, "\n".join(problems)
-
-
-def _feedback_leaks(graded: dict) -> list[str]:
-    """Lines of a feedback page that are a hidden test line or a solution line the student did not write."""
-    leaks = []
-    secrets = {}
-    for page in sorted((graded["root"] / "feedback").rglob("*.html")):
-        student, lab = page.parent.parent.name, page.parent.name
-        if lab not in secrets:
-            src = nbformat.read(lab_notebook(lab), as_version=4)
-            secrets[lab] = secret_lines(src) - _public_lines(src)
-        sub = graded["root"] / "submitted" / student / lab / f"{lab}.ipynb"
-        try:
-            own = {line.strip() for c in nbformat.read(sub, as_version=4).cells for line in c.source.splitlines()}
-        except Exception:  # noqa: BLE001 - an unreadable submission wrote nothing
-            own = set()
-        shown = {line.strip() for line in html.unescape(re.sub(r"<[^>]+>", "", page.read_text())).splitlines()}
-        leaks += [f"{student}/{lab}: {s}" for s in sorted(secrets[lab] - own) if s in shown]
-    return leaks
+_grade_class, _check_expectations, _feedback_leaks = grade_class, check_expectations, feedback_leaks
 
 
 @pytest.mark.slow

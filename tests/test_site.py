@@ -1,7 +1,7 @@
 """The course site (`make html`), built and read in headless chromium as a self-learner would.
 
-Per lab, after the lab's source run in test_labs.py (whose executed copy in build/executed/ it
-reuses; alone it executes the lab itself, quick mode): the page is built with the code `make html`
+Per lab, after the session's class grading (conftest.py), whose honest student's graded copy in
+build/executed/ it reuses (alone, it executes the lab itself, quick mode): the page is built with the code `make html`
 runs, then opened from file:// with the network cut: no console error, no request outside the
 site folder, not blank, no hidden-test text anywhere, solutions folded until clicked, every
 widget control changes the drawing, maths typeset, plots inline, the printed numbers on the
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import html
 import importlib.util
-import os
 import re
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from nbformat.v4 import new_output
 
 from autograder import LABS, REPO, authoring
 from browser import chromium_path, is_blank, open_page
-from course import site
+from autograder import site
 
 _spec = importlib.util.spec_from_file_location("site_build", REPO / "assets" / "site" / "build.py")
 build = importlib.util.module_from_spec(_spec)
@@ -32,38 +31,19 @@ _spec.loader.exec_module(build)
 SOURCES = site.find_labs(LABS)
 LOCAL = ("data:", "blob:", "about:")
 TEXT_SUFFIXES = {".html", ".css", ".js", ".ipynb", ".md", ".txt", ".json", ".py"}
-WAIT_FOR_LAB_S = 900  # how long to wait for test_labs.py's execution of a lab before running it here
 
 
 def _per_lab() -> list:
-    """One parameter per lab, in the xdist group of its source run (test_labs.py)."""
-    return [pytest.param(s, marks=pytest.mark.xdist_group(f"{s.stem}:source"), id=s.stem) for s in SOURCES]
+    """One parameter per lab, in the xdist group of the session's class grading (conftest.py), which
+    comes first in that group and writes each lab's executed copy: the site reuses it."""
+    return [pytest.param(s, marks=pytest.mark.xdist_group("grade:class"), id=s.stem) for s in SOURCES]
 
 
-def executed_lab(source: Path, session) -> nbformat.NotebookNode:
-    """The lab executed with its solutions: test_labs.py's copy in build/executed/ when this run
-    makes one, else a fresh copy from an earlier run, else executed here (quick mode).
-
-    Under `--dist loadgroup` the two tests of a lab share a worker, the source run first. Under
-    another schedule they can land on different workers (so can they under pytest 9.2, whose
-    node ids ignore xdist_group: pyproject pins 9.1), so when this session also runs the lab's
-    source test, wait for its copy rather than executing the lab a second time on the other
-    core. Reads retry: the other worker may be writing it.
-    """
-    out = build.EXECUTED / f"{source.stem}.ipynb"
-    producer = f"test_labs.py::test_source_runs_and_passes_its_tests[{source.stem}]"
-    if os.environ.get("PYTEST_XDIST_WORKER") and any(producer in item.nodeid for item in session.items):
-        deadline = time.monotonic() + WAIT_FOR_LAB_S
-        while not build.is_fresh(out, source) and time.monotonic() < deadline:
-            time.sleep(2)
-    path = build.ensure_executed([source], quick=True, log=print)[source.stem]
-    for attempt in range(5):
-        try:
-            return nbformat.read(path, as_version=4)
-        except Exception:  # noqa: BLE001 (rewritten right now by test_labs.py in the other worker)
-            if attempt == 4:
-                raise
-            time.sleep(2)
+def executed_lab(source: Path) -> nbformat.NotebookNode:
+    """The lab executed with its solutions: the copy in build/executed/ when it is the lab as it is
+    now (the honest student's graded notebook, written earlier in this session's worker), else
+    executed here (quick mode)."""
+    return nbformat.read(build.ensure_executed([source], quick=True, log=print)[source.stem], as_version=4)
 
 
 def hidden_lines(source_nb: nbformat.NotebookNode) -> tuple[set[str], set[str], set[str]]:
@@ -145,6 +125,7 @@ def test_prepare_removes_hidden_tests_and_folds_solutions(tmp_path):
         new_output("stream", name="stdout", text="checked\n"),
     ]
     page = site.prepare(nb)
+    assert page.cells[1].source == "def square(x):\n    return x * x", "a reader sees the solution without its markers"
     assert page.cells[2].source == "assert square(3) == 9"
     assert [o.output_type for o in page.cells[2].outputs] == ["stream"]
     assert page.cells[1].metadata["course_site"] == {"fold": "solution"}
@@ -261,10 +242,10 @@ def _outputs(nb, kind: str) -> list:
 @pytest.mark.slow
 @pytest.mark.browser
 @pytest.mark.parametrize("source", _per_lab())
-def test_lab_page(source, site_dir, tmp_path, request):
+def test_lab_page(source, site_dir, tmp_path):
     lab = source.stem
     start = time.perf_counter()
-    ran = executed_lab(source, request.session)
+    ran = executed_lab(source)
     built = time.perf_counter()
     labs = [site.lab_info(s) for s in SOURCES]
     student = build.student_versions([source], site_dir)
@@ -273,7 +254,7 @@ def test_lab_page(source, site_dir, tmp_path, request):
     source_nb = nbformat.read(source, as_version=4)
 
     leaks = hidden_leaks(site_dir, source_nb, lab)
-    assert not leaks, f"hidden-test text in the built site:\n" + "\n".join(leaks[:10])
+    assert not leaks, f"{lab}: hidden-test text in the built site:\n" + "\n".join(leaks[:10])
 
     n_widgets = len(_outputs(ran, "application/vnd.jupyter.widget-view+json"))
     n_images = len(_outputs(ran, "image/png")) + len(_outputs(ran, "image/svg+xml"))
@@ -299,6 +280,9 @@ def test_lab_page(source, site_dir, tmp_path, request):
             assert not body.is_visible(), f"{lab}: solution {i + 1} is visible before its toggle is clicked"
             folds.nth(i).locator("summary").click()
             body.wait_for(state="visible", timeout=2_000)
+            shown = body.inner_text()
+            assert "BEGIN SOLUTION" not in shown and "END SOLUTION" not in shown, \
+                f"{lab}: solution {i + 1} shows nbgrader's marker lines to readers"
 
         # nbgrader's problem headings, the measured numbers, maths and plots are on the page
         text = page.locator("main").inner_text()

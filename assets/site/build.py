@@ -1,9 +1,10 @@
 """Build the course site: `python assets/site/build.py [--full] [--rerun] [--out build/html] [lab ...]`.
 
 What `make html` runs. For every lab in labs/: reuse its executed copy in build/executed/ when it
-ran the source as it is now (`make test` writes them there), else execute the source with its
+ran the source as it is now (`make test` writes them there: the graded copy of the simulated class's
+honest student), else execute the source with its
 solutions (quick mode, as `make test` does, unless --full) and save it there; make the student
-version to download (nbgrader, no gradebook); then `course.site.build_site` writes the pages.
+version to download (nbgrader, no gradebook); then `autograder.site.build_site` writes the pages.
 Lives here, not in `course`, because it drives `autograder` (the package imports neither).
 """
 from __future__ import annotations
@@ -22,15 +23,16 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere: `autograder` is 
 
 from autograder import checks  # noqa: E402
 from autograder.release import generate_release  # noqa: E402
-from course import site  # noqa: E402
+from autograder import site  # noqa: E402
 
 EXECUTED = REPO / "build" / "executed"
 OUT = REPO / "build" / "html"
 
 
 def is_fresh(executed: Path, source: Path, quick: bool = True) -> bool:
-    """True when `executed` is an execution of the source as it is now (same cells, same code:
-    mtimes lie, since tools rewrite sources unchanged) and, for a full build, not a quick one."""
+    """True when `executed` is an execution of the source as it is now (same cells, same code,
+    solution markers aside: `make test` keeps the honest student's graded copy; mtimes lie, since
+    tools rewrite sources unchanged) and, for a full build, not a quick one."""
     if not executed.is_file():
         return False
     now = nbformat.read(source, as_version=4)
@@ -38,7 +40,7 @@ def is_fresh(executed: Path, source: Path, quick: bool = True) -> bool:
         ran = nbformat.read(executed, as_version=4)
     except Exception:  # noqa: BLE001 (half written by another process, or not a notebook)
         return False
-    if [(c.cell_type, c.source) for c in ran.cells] != [(c.cell_type, c.source) for c in now.cells]:
+    if site.fingerprint(ran) != site.fingerprint(now):
         return False
     return quick or "quick mode" not in site.measured_on(ran)
 

@@ -44,6 +44,7 @@ class RunLimits:
     budget: int = 3600               # seconds for the whole notebook
     guard_timeout: int = 60          # seconds for one guard report
     max_output_bytes: int = 1 << 20  # per cell
+    widget_state: bool = False       # keep the widgets' state in the graded notebook (the test suite's site reuses it)
 
 
 @dataclass
@@ -194,7 +195,7 @@ async def run_notebook(nb: NotebookNode, kinds: list[str], sandbox: Sandbox, lim
     km.ip = str(run_dir / "kernel-ipc")
     client = GradingClient(
         nb, km=km, kernel_name=kernel_name, timeout=limits.cell_timeout, allow_errors=True,
-        interrupt_on_timeout=True, store_widget_state=False, record_timing=False, iopub_timeout=10,
+        interrupt_on_timeout=True, store_widget_state=limits.widget_state, record_timing=False, iopub_timeout=10,
         raise_on_iopub_timeout=False, shutdown_kernel="immediate", startup_timeout=180,
         error_on_timeout={"ename": "CellTimeoutError", "evalue": f"the cell ran longer than {limits.cell_timeout} s",
                           "traceback": [f"CellTimeoutError: the cell ran longer than {limits.cell_timeout} s "

@@ -53,6 +53,7 @@ class Config:
     processes: int = 256
     quick: bool = True
     keep: bool = False                         # keep the temporary folders (debugging)
+    widget_state: bool = False                 # keep widget state in the graded notebooks (the test suite's site)
 
 
 def _data_files(lab_dir: Path) -> list[Path]:
@@ -134,7 +135,7 @@ def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cfg.jobs))
     env = {"COURSE_QUICK": "1" if cfg.quick else "0", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     limits = {"memory_bytes": int(cfg.memory_gib * (1 << 30)), "cpu_seconds": cfg.budget, "processes": cfg.processes}
-    run_limits = asdict(RunLimits(cell_timeout=cell_timeout, budget=cfg.budget))
+    run_limits = asdict(RunLimits(cell_timeout=cell_timeout, budget=cfg.budget, widget_state=cfg.widget_state))
     jobs = []
     for (student, lab), path in sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         work = tmp / "jobs" / lab / student

@@ -22,12 +22,23 @@ from pathlib import Path
 import nbformat
 from nbformat import NotebookNode
 
-from . import static_html
+from autograder.checks import HIDDEN_MARKERS, SOLUTION_MARKERS
+from course import static_html
 
 SITE_ASSETS = Path(__file__).resolve().parent.parent / "assets" / "site"  # index.md, site.css
 SITE_NAME = "How LLM inference engines work"
-_HIDDEN = "HIDDEN" + " TESTS"  # spelled in two parts: the course package never holds the marker itself
-HIDDEN_MARKERS = (f"### BEGIN {_HIDDEN}", f"### END {_HIDDEN}")
+
+
+def without_solution_markers(source: str) -> str:
+    """`source` without its `### BEGIN SOLUTION` / `### END SOLUTION` lines: what a reader should see."""
+    return "\n".join(line for line in source.splitlines() if not any(m in line for m in SOLUTION_MARKERS))
+
+
+def fingerprint(nb: NotebookNode) -> list[tuple[str, str]]:
+    """Each cell's type and source, solution markers aside: an execution of the lab (the source run
+    by `make html`, or the honest student's graded copy that `make test` keeps) is the lab as it is
+    now exactly when the fingerprints agree."""
+    return [(c.cell_type, without_solution_markers(c.source)) for c in nb.cells]
 COURSE_MAP = "<!-- course map -->"  # where index.md gets the generated list of labs
 LAB_FOLDER = re.compile(r"^(\d+)_\w+$")
 _PROBLEM = re.compile(r"^##\s+Problem\s+(\d+):\s*(.+?)\s*\((\d+(?:\.\d+)?)\s+points?\)\s*$", re.M)
@@ -186,7 +197,8 @@ def _output_text(output: NotebookNode) -> str:
 
 
 def prepare(nb: NotebookNode) -> NotebookNode:
-    """A copy of an executed lab fit to publish: hidden tests gone, solution cells marked to fold.
+    """A copy of an executed lab fit to publish: hidden tests gone, solution cells marked to fold
+    and shown without their marker lines.
 
     In a cell with hidden tests, the lines between the markers go, and so does every output
     that could quote them (errors, whose tracebacks show the failing line, and any output that
@@ -203,6 +215,7 @@ def prepare(nb: NotebookNode) -> NotebookNode:
                                 and not any(s in _output_text(o) for s in secret)]
         if cell.get("metadata", {}).get("nbgrader", {}).get("solution"):
             cell.metadata["course_site"] = {"fold": "solution"}
+            cell.source = without_solution_markers(cell.source)
     return nb
 
 
