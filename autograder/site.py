@@ -22,6 +22,7 @@ from pathlib import Path
 import nbformat
 from nbformat import NotebookNode
 
+from autograder import lab_names
 from autograder.checks import HIDDEN_MARKERS, SOLUTION_MARKERS
 from course import static_html
 
@@ -125,11 +126,9 @@ class LabInfo:
 
 
 def find_labs(labs_dir: str | Path) -> list[Path]:
-    """Every `NN_name/NN_name.ipynb` under `labs_dir`, ordered by NN."""
-    labs_dir = Path(labs_dir)
-    if not labs_dir.is_dir():
-        raise FileNotFoundError(f"labs_dir must be the folder of lab folders, got {labs_dir} (missing)")
-    found = [d / f"{d.name}.ipynb" for d in labs_dir.iterdir() if d.is_dir() and LAB_FOLDER.match(d.name)]
+    """The source notebook of every lab under `labs_dir` (the labs `autograder.lab_names` finds, the
+    ones make grade and make release know) that is numbered `NN_name`, ordered by NN."""
+    found = [Path(labs_dir) / lab / f"{lab}.ipynb" for lab in lab_names(labs_dir) if LAB_FOLDER.match(lab)]
     return sorted((p for p in found if p.is_file()), key=lambda p: (int(LAB_FOLDER.match(p.stem)[1]), p.stem))
 
 
