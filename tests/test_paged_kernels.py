@@ -1,16 +1,31 @@
-"""Lab 06's Triton kernels and the paged engine parts, without a GPU.
+"""Lab 06's Triton kernels, and the paged engine parts, on a CPU and on a GPU.
 
-1. The solution kernels, taken from the lab's source notebook, compile for GPU targets (sm_75 in
-   fp16, as on a T4 without bf16; sm_80 in fp32 and fp16): GPU-only errors that the interpreter
-   accepts fail here, in CPU CI. The compile check itself is shown to catch such an error.
-2. The same kernels run in the interpreter and match dense attention.
-3. `course.engine.PagedKVCache` and `forward_paged` give the contiguous cache's logits.
+1. The solution kernels, taken from the lab's source notebook, compile for GPU targets: sm_75 in fp16
+   (a T4, which has no bf16), sm_80 in fp32, fp16 and bf16, sm_90 in bf16, with every configuration the
+   launchers autotune over on a GPU. GPU-only errors that the interpreter accepts fail here, in CPU CI;
+   the compile check itself is shown to catch such an error.
+2. The kernels run in the interpreter and match independent dense references (float64), through the
+   lab's own launchers: edge cases of blocks, splits, chunks and GQA groups.
+3. On a machine with CUDA, the same kernels run COMPILED against the same references in fp32, fp16
+   and bf16, autotuned. conftest.py sets TRITON_INTERPRET=1 for the whole session (Triton reads it
+   once), so that check runs this file as a script in a subprocess without it:
+       python tests/test_paged_kernels.py --device cuda      (what the test runs; prints one line per check)
+   Skipped on a machine without CUDA.
+4. `course.engine.PagedKVCache` and `forward_paged` give the contiguous cache's logits.
+5. `course.kernels.run_perf_report` sweeps a `triton.testing.perf_report` benchmark as Triton does,
+   with pandas or without it.
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -19,13 +34,20 @@ import torch
 from autograder import lab_notebook
 from autograder.checks import SOLUTION_MARKERS
 from course.engine import PagedKVCache, SlotKVCache, block_table_tensor, forward_cached, forward_paged
-from course.kernels import compile_for_gpu, compile_many
+from course.kernels import compile_for_gpu, compile_report
 from course.kernels.compile_check import HEADER
 
 LAB = "06_triton_kernels"
-KERNEL_CELLS = ("store_kv_kernel", "paged_attention_v1", "paged_attention_v2")
-SMOLLM2 = dict(H=9, H_KV=3, GROUP=3, GROUP_PAD=4, BLOCK_SIZE=16, D=64)
-MHA = dict(H=4, H_KV=4, GROUP=1, GROUP_PAD=1, BLOCK_SIZE=8, D=32)
+# The GPU proof runs this file with TRITON_INTERPRET=0 on a CUDA machine: there the compiled check (3.)
+# covers the kernels, and this session does not switch the interpreter on halfway (see conftest.py).
+COMPILED_SESSION = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+interpreter_only = pytest.mark.skipif(COMPILED_SESSION, reason="a compiled (GPU) session: see the compiled check")
+REPO = Path(__file__).resolve().parents[1]
+# the lab's cells that the kernels and their launchers need, in notebook order
+CELLS = ("store_kv_kernel", "kernel_launch", "paged_attention_v1", "paged_attention_v2", "paged_decode_split",
+         "split_launch", "split_reduce", "split_merge_launch", "paged_prefill", "prefill_launch")
+SOLUTIONS = {"store_kv_kernel", "paged_attention_v1", "paged_attention_v2", "paged_decode_split", "split_reduce",
+             "paged_prefill"}
 
 
 def lab_cells() -> dict[str, str]:
@@ -34,39 +56,103 @@ def lab_cells() -> dict[str, str]:
     return {c.metadata.get("nbgrader", {}).get("grade_id"): c.source for c in nb.cells}
 
 
-def solution_source() -> str:
-    """The lab's kernel cells as the instructor wrote them (markers removed), as one module."""
+def lab_source(gpu: bool) -> str:
+    """The kernels (solutions, markers removed) and the lab's launchers, as one module. `env` stands in
+    for course.setup()'s: on a GPU the launchers autotune, in the interpreter they do not."""
     cells = lab_cells()
+    missing = [gid for gid in CELLS if gid not in cells]
+    assert not missing, f"the lab has no cells {missing}: update CELLS in {Path(__file__).name}"
     body = []
-    for gid in KERNEL_CELLS:
+    for gid in CELLS:
         lines = [line for line in cells[gid].splitlines() if not any(m in line for m in SOLUTION_MARKERS)]
         body.append("\n".join(lines))
-    return "import torch\n" + HEADER + "\n\n\n".join(body) + "\n"
+    env = f"env = types.SimpleNamespace(gpu={gpu}, device={'cuda' if gpu else 'cpu'!r})\n"
+    return ("import types\nimport torch\nimport torch.nn.functional as F\n" + HEADER + env + "\n\n"
+            + "\n\n\n".join(body) + "\n")
 
 
-def paged_signature(dtype: str, extra=()) -> dict:
-    p = f"*{dtype}"
-    sig = {"out_ptr": p, "q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "block_tables_ptr": "*i32",
-           "context_lens_ptr": "*i32", "scale": "fp32", "max_blocks": "i32", "H": "constexpr", "H_KV": "constexpr",
-           "GROUP": "constexpr", "GROUP_PAD": "constexpr", "BLOCK_SIZE": "constexpr", "D": "constexpr"}
-    return {**sig, **{name: "constexpr" for name in extra}}
+def load_lab_module(gpu: bool, directory: Path):
+    """Import lab_source(gpu) as a module (with TRITON_INTERPRET as the caller has set it)."""
+    path = directory / f"lab06_kernels_{'gpu' if gpu else 'cpu'}.py"
+    path.write_text(lab_source(gpu))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# --- 1. the compile check --------------------------------------------------------------------------
+
+SMOLLM2 = dict(H=9, H_KV=3, BLOCK_SIZE=16, D=64)
+TARGETS = ((75, "fp16"), (80, "fp32"), (80, "fp16"), (80, "bf16"), (90, "bf16"))
+
+
+def _signature(kernel: str, dtype: str) -> dict:
+    p, f32 = f"*{dtype}", "*fp32"
+    paged = {"q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+             "scale": "fp32", "max_blocks": "i32"}
+    sigs = {"store_kv_kernel": {"k_ptr": p, "v_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "slot_ptr": "*i64"},
+            "paged_attention_v1_kernel": {"out_ptr": p, **paged},
+            "paged_attention_v2_kernel": {"out_ptr": p, **paged},
+            "paged_decode_split_kernel": {"part_out_ptr": f32, "part_lse_ptr": f32, **paged, "split_len": "i32",
+                                          "n_splits": "i32"},
+            "split_reduce_kernel": {"out_ptr": p, "part_out_ptr": f32, "part_lse_ptr": f32, "n_splits": "i32"},
+            "paged_prefill_kernel": {"out_ptr": p, "q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p,
+                                     "block_table_ptr": "*i32", "scale": "fp32", "n_q": "i32", "ctx": "i32"}}
+    return sigs[kernel]
+
+
+def _jobs(configs_split, configs_prefill) -> list[tuple]:
+    """(kernel, signature, constexprs, arch, options) for every kernel and target, and every autotuning
+    configuration on the targets a GPU runs in the model's dtype (T4 fp16, A100 and H100 bf16)."""
+    constexprs = {
+        "store_kv_kernel": [dict(ROW=192, ROW_PAD=256)],
+        "paged_attention_v1_kernel": [dict(SMOLLM2, GROUP=3, GROUP_PAD=4),
+                                      dict(H=4, H_KV=4, BLOCK_SIZE=8, D=32, GROUP=1, GROUP_PAD=1)],   # a one-row tile
+        "paged_attention_v2_kernel": [dict(SMOLLM2, GROUP=3, GROUP_PAD=4, BLOCKS_PER_ITER=4)],
+        "split_reduce_kernel": [dict(H=9, D=64, SPLITS_PAD=8), dict(H=9, D=64, SPLITS_PAD=1)],
+        "paged_decode_split_kernel": [dict(SMOLLM2, GROUP=3, GROUP_PAD=16, DOT_F32=False, **configs_split[0]),
+                                      dict(SMOLLM2, H=32, H_KV=1, GROUP=32, GROUP_PAD=32, DOT_F32=False, **configs_split[0])],
+        "paged_prefill_kernel": [dict(SMOLLM2, DOT_F32=False, **c) for c in configs_prefill[:1]],
+    }
+    jobs = []
+    for kernel, variants in constexprs.items():
+        for arch, dtype in TARGETS:
+            for i, cx in enumerate(variants):
+                if i and (arch, dtype) != (75, "fp16"):             # the odd shapes on one target are enough
+                    continue
+                cx = dict(cx)
+                options = {"num_warps": cx.pop("num_warps", 4), "num_stages": cx.pop("num_stages", 3)}
+                sig = {**_signature(kernel, dtype), **{name: "constexpr" for name in cx}}
+                jobs.append((kernel, sig, cx, arch, options))
+    for arch, dtype in ((75, "fp16"), (80, "bf16"), (90, "bf16")):
+        for kernel, configs, base in (("paged_decode_split_kernel", configs_split, dict(SMOLLM2, GROUP=3, GROUP_PAD=16)),
+                                      ("paged_prefill_kernel", configs_prefill, dict(SMOLLM2))):
+            for c in configs[1:]:
+                c = dict(c)
+                options = {"num_warps": c.pop("num_warps"), "num_stages": c.pop("num_stages")}
+                cx = {**base, **c, "DOT_F32": False}
+                jobs.append((kernel, {**_signature(kernel, dtype), **{n: "constexpr" for n in cx}}, cx, arch, options))
+    return jobs
+
+
+def _configs(tuned_configs) -> list[dict]:
+    return [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in tuned_configs]
 
 
 @pytest.mark.slow
-def test_solution_kernels_compile_for_t4_and_a100():
-    jobs = []
-    for arch, dtype in ((75, "fp16"), (80, "fp32"), (80, "fp16")):
-        jobs.append(("paged_attention_v1_kernel", paged_signature(dtype), SMOLLM2, arch))
-        jobs.append(("paged_attention_v2_kernel", paged_signature(dtype, ["BLOCKS_PER_ITER"]),
-                     {**SMOLLM2, "BLOCKS_PER_ITER": 4}, arch))
-        p = f"*{dtype}"
-        jobs.append(("store_kv_kernel", {"k_ptr": p, "v_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "slot_ptr": "*i64",
-                                         "ROW": "constexpr", "ROW_PAD": "constexpr"}, {"ROW": 192, "ROW_PAD": 256}, arch))
-    jobs.append(("paged_attention_v1_kernel", paged_signature("fp16"), MHA, 75))   # GROUP_PAD = 1: a one-row tile
-    results = compile_many(solution_source(), jobs)
-    failed = [f"{name} sm_{arch} {sig['q_ptr'] if 'q_ptr' in sig else sig['k_ptr']}: {err}"
-              for (name, sig, _, arch), err in zip(jobs, results) if err is not None]
+def test_solution_kernels_compile_for_t4_a100_and_h100(kernels):
+    jobs = _jobs([kernels.FIXED_SPLIT] + _configs(kernels.DECODE_CONFIGS),
+                 [kernels.FIXED_PREFILL] + _configs(kernels.PREFILL_CONFIGS))
+    report = compile_report(lab_source(gpu=False), jobs, timeout=1200)
+    failed = [f"{name} sm_{arch} {sig.get('q_ptr', sig.get('k_ptr'))} {cx} {opt}: {r['error']}"
+              for (name, sig, cx, arch, opt), r in zip(jobs, report) if r["error"] is not None]
     assert not failed, "solution kernels that a GPU compiler rejects:\n" + "\n".join(failed)
+    # the split-KV and prefill kernels use tensor cores where Triton's tl.dot has them (sm_80 and later, 16-bit)
+    for (name, sig, cx, arch, opt), r in zip(jobs, report):
+        if name in ("paged_decode_split_kernel", "paged_prefill_kernel") and arch >= 80 and sig["q_ptr"] != "*fp32":
+            assert r["mma"] + r["wgmma"] > 0, f"{name} sm_{arch} {sig['q_ptr']}: no tensor-core instruction in the PTX"
 
 
 @pytest.mark.slow
@@ -86,34 +172,56 @@ def test_compile_check_catches_what_the_interpreter_accepts():
     assert list(result) == [80] and result[80] is not None, "a kernel with `break` must fail to compile"
     with pytest.raises(ValueError, match="@triton.jit"):
         compile_for_gpu("x = 1", "x", {})
+    with pytest.raises(ValueError, match="arch must be"):
+        compile_report(source, [("first_negative", {}, {}, "sm_80")])
 
 
-# --- the kernels in the interpreter ----------------------------------------------------------------
+def test_run_perf_report_sweeps_like_triton(monkeypatch):
+    import matplotlib
+    import triton
+
+    from course.kernels import run_perf_report
+
+    matplotlib.use("Agg")
+    monkeypatch.setattr("matplotlib.pyplot.show", lambda *a, **k: None)
+    bench = triton.testing.Benchmark(x_names=["ctx"], x_vals=[256, 1024], line_arg="provider", line_vals=["a", "b"],
+                                     line_names=["mine", "theirs"], ylabel="GB/s", plot_name="test", args={"batch": 2})
+    calls = []
+
+    @triton.testing.perf_report([bench])
+    def speed(ctx, batch, provider):
+        calls.append((ctx, batch, provider))
+        return (float(ctx * batch), ctx * batch * 0.9, ctx * batch * 1.1) if provider == "a" else 1.0
+
+    rows = run_perf_report(speed, print_data=False)
+    assert calls == [(256, 2, "a"), (256, 2, "b"), (1024, 2, "a"), (1024, 2, "b")], calls
+    assert [{k: float(v) for k, v in r.items()} for r in rows[0]] == [{"ctx": 256.0, "mine": 512.0, "theirs": 1.0},
+                                                                      {"ctx": 1024.0, "mine": 2048.0, "theirs": 1.0}]
+    with pytest.raises(TypeError, match="perf_report"):
+        run_perf_report(lambda: None)
+
+
+# --- 2. the kernels in the interpreter -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
-    """The solution module, imported with the interpreter on (TRITON_INTERPRET is read at @triton.jit)."""
-    import importlib.util
-
-    path = tmp_path_factory.mktemp("lab06_kernels") / "lab06_kernels.py"
-    path.write_text(solution_source() + "\n\n" + lab_cells()["kernel_launch"])   # the lab's own launch_paged
+    """The lab's kernels and launchers, imported with the interpreter on (read at @triton.jit); in a
+    compiled session, imported as they are (only their configurations are read there)."""
     old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"       # read at @triton.jit, and again by the first launch: keep it on
+    if not COMPILED_SESSION:
+        os.environ["TRITON_INTERPRET"] = "1"   # read at @triton.jit, and again by the first launch: keep it on
     try:
-        spec = importlib.util.spec_from_file_location("lab06_kernels", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["lab06_kernels"] = mod
-        spec.loader.exec_module(mod)
-        yield mod
+        yield load_lab_module(gpu=False, directory=tmp_path_factory.mktemp("lab06_kernels"))
     finally:
-        sys.modules.pop("lab06_kernels", None)
+        sys.modules.pop("lab06_kernels_cpu", None)
         if old is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = old
 
 
-def _case(lens, H, Hkv, D, bs, dtype, seed=0):
+def _case(lens, H, Hkv, D, bs, dtype, seed=0, device="cpu"):
+    """Dense K/V per sequence scattered into shuffled blocks (unused slots NaN); q (B, H, D)."""
     g = torch.Generator().manual_seed(seed)
     n_blocks = sum(-(-L // bs) for L in lens) + 2
     k_cache = torch.full((n_blocks, bs, Hkv, D), float("nan"), dtype=dtype)
@@ -127,39 +235,141 @@ def _case(lens, H, Hkv, D, bs, dtype, seed=0):
             k_cache[t[p // bs], p % bs], v_cache[t[p // bs], p % bs] = k[p], v[p]
         tables.append(t), ks.append(k), vs.append(v)
     q = torch.randn(len(lens), H, D, generator=g).to(dtype)
-    return (q, k_cache, v_cache, block_table_tensor(tables), torch.tensor(lens, dtype=torch.int32)), ks, vs
+    args = (q, k_cache, v_cache, block_table_tensor(tables), torch.tensor(lens, dtype=torch.int32))
+    return tuple(a.to(device) for a in args), ks, vs
 
 
 def _dense(q, ks, vs, scale):
     out = []
     for b, (k, v) in enumerate(zip(ks, vs)):
         g = q.shape[1] // k.shape[1]
-        s = torch.einsum("hd,lhd->hl", q[b].double(), k.double().repeat_interleave(g, 1)) * scale
+        s = torch.einsum("hd,lhd->hl", q[b].cpu().double(), k.double().repeat_interleave(g, 1)) * scale
         out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), v.double().repeat_interleave(g, 1)))
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("H, Hkv, bs, dtype", [(4, 4, 4, torch.float32), (9, 3, 8, torch.float16), (8, 1, 2, torch.float32)])
-def test_solution_kernels_match_dense_attention_in_the_interpreter(kernels, H, Hkv, bs, dtype):
-    args, ks, vs = _case([1, bs, 2 * bs + 1, 4 * bs], H, Hkv, 16, bs, dtype, seed=H)
-    ref = _dense(args[0], ks, vs, 0.25)
-    tol = 1e-4 if dtype == torch.float32 else 4e-3
-    v1 = kernels.launch_paged(kernels.paged_attention_v1_kernel, *args, 0.25)
-    v2 = kernels.launch_paged(kernels.paged_attention_v2_kernel, *args, 0.25, BLOCKS_PER_ITER=2)
-    for name, out in (("v1", v1), ("v2", v2)):
-        assert out.dtype == dtype and (out.double() - ref).abs().max().item() < tol, name
+def _causal(q, k, v, scale):
+    T, H, _ = q.shape
+    L, g = k.shape[0], H // k.shape[1]
+    s = torch.einsum("thd,lhd->htl", q.cpu().double(), k.double().repeat_interleave(g, 1)) * scale
+    seen = torch.arange(L)[None, :] <= torch.arange(L - T, L)[:, None]
+    return torch.einsum("htl,lhd->thd", s.masked_fill(~seen, float("-inf")).softmax(-1), v.double().repeat_interleave(g, 1))
 
 
-def test_store_kv_kernel_in_the_interpreter(kernels):
-    kc, vc = torch.zeros(3, 4, 3, 8), torch.zeros(3, 4, 3, 8)
-    k, v = torch.randn(4, 3, 8), torch.randn(4, 3, 8)
-    kernels.store_kv(kc, vc, k, v, torch.tensor([3, 4, -1, 11]))
-    flat = kc.view(12, 3, 8)
-    assert torch.equal(flat[3], k[0]) and torch.equal(flat[4], k[1]) and torch.equal(flat[11], k[3])
-    assert flat[[0, 1, 2, 5, 6, 7, 8, 9, 10]].abs().sum() == 0 and torch.equal(vc.view(12, 3, 8)[11], v[3])
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 5e-2}     # outputs of about 1: a bug is off by ~1
 
 
-# --- the paged engine parts ------------------------------------------------------------------------
+def _decode_checks(mod, dtypes, device, small: bool):
+    """(name, max |diff|, tolerance) of every decode kernel over edge cases, each dtype."""
+    results = []
+    for dtype in dtypes:
+        cases = [(9, 3, 4, [1, 4, 9, 22]), (8, 1, 8, [2, 8, 25])]       # the interpreter: a few small cases
+        if not small:
+            cases += [(4, 4, 2, [3, 17]), (9, 3, 16, [1, 16, 17, 300, 1024]), (32, 4, 16, [700, 33])]
+        for H, Hkv, bs, lens in cases:
+            args, ks, vs = _case(lens, H, Hkv, 16 if small else 64, bs, dtype, seed=H + bs, device=device)
+            scale = args[0].shape[-1] ** -0.5
+            ref = _dense(args[0], ks, vs, scale)
+            what = f"H={H} Hkv={Hkv} bs={bs} {lens} {dtype}"
+            outs = {"v1": mod.paged_attention_v1(*args, scale), "v2": mod.paged_attention_v2(*args, scale, blocks_per_iter=2)}
+            # one block per split, splits of 3 tokens (inside blocks and tiles); long contexts: the launcher's choice, 40
+            for split_len in ((bs, 3) if max(lens) <= 64 else (None, bs, 40)):
+                outs[f"split-KV (split_len {split_len})"] = mod.paged_attention_split(*args, scale, split_len=split_len)
+            for name, out in outs.items():
+                ok = out.dtype == dtype and out.shape == args[0].shape and out.device == args[0].device
+                err = (out.cpu().double() - ref).abs().max().item() if ok else float("inf")
+                results.append((f"{name}, {what}", err, TOL[dtype]))
+    return results
+
+
+def _prefill_checks(mod, dtypes, device, small: bool):
+    results = []
+    for dtype in dtypes:
+        cases = [(1, 1, 4, 1, 4), (37, 37, 4, 2, 4), (50, 17, 6, 3, 4), (24, 2, 4, 2, 2)]
+        if not small:
+            cases += [(300, 200, 9, 3, 16), (1000, 1000, 9, 3, 16), (700, 1, 8, 1, 16)]
+        for L, T, H, Hkv, bs in cases:
+            args, ks, vs = _case([L], H, Hkv, 16 if small else 64, bs, dtype, seed=L + T, device=device)
+            q = torch.randn(T, H, args[0].shape[-1], generator=torch.Generator().manual_seed(T)).to(dtype).to(device)
+            scale = q.shape[-1] ** -0.5
+            out = mod.paged_prefill(q, args[1], args[2], args[3][0], L, scale)
+            ok = out.dtype == dtype and out.shape == q.shape
+            err = (out.cpu().double() - _causal(q, ks[0], vs[0], scale)).abs().max().item() if ok else float("inf")
+            results.append((f"prefill T={T} of {L} H={H} Hkv={Hkv} bs={bs} {dtype}", err, TOL[dtype]))
+    return results
+
+
+def _store_checks(mod, dtypes, device):
+    results = []
+    for dtype in dtypes:
+        kc = torch.full((3, 4, 3, 64), -9.0, dtype=dtype, device=device)
+        vc = kc.clone()
+        k, v = torch.randn(4, 3, 64).to(dtype).to(device), torch.randn(4, 3, 64).to(dtype).to(device)
+        mod.store_kv(kc, vc, k, v, torch.tensor([3, 4, -1, 11], device=device))
+        fk, fv = kc.view(12, 3, 64).cpu(), vc.view(12, 3, 64).cpu()
+        good = (torch.equal(fk[3], k[0].cpu()) and torch.equal(fk[4], k[1].cpu()) and torch.equal(fv[11], v[3].cpu())
+                and bool((fk[[0, 1, 2, 5, 6, 7, 8, 9, 10]] == -9).all()))
+        results.append((f"store_kv {dtype}", 0.0 if good else float("inf"), 0.5))
+    return results
+
+
+@interpreter_only
+@pytest.mark.parametrize("part", ["store", "decode", "prefill"])
+def test_solution_kernels_match_dense_references_in_the_interpreter(kernels, part):
+    dtypes = (torch.float32, torch.float16)
+    checks = {"store": lambda: _store_checks(kernels, dtypes, "cpu"),
+              "decode": lambda: _decode_checks(kernels, dtypes, "cpu", small=True),
+              "prefill": lambda: _prefill_checks(kernels, dtypes, "cpu", small=True)}[part]()
+    failed = [f"{name}: max |diff| {err:.1e} > {tol}" for name, err, tol in checks if not err < tol]
+    assert not failed, "\n".join(failed)
+
+
+@interpreter_only
+def test_launchers_catch_bad_input(kernels):
+    args, _, _ = _case([5, 3], 4, 2, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="split_len must be a positive int"):
+        kernels.paged_attention_split(*args, 0.25, split_len=0)
+    with pytest.raises(ValueError, match="tl.dot needs head_dim >= 16"):
+        kernels.paged_attention_split(*_case([5], 4, 2, 8, 4, torch.float32)[0], 0.25)
+    with pytest.raises(ValueError, match="context_len"):
+        kernels.paged_prefill(torch.zeros(6, 4, 16), args[1], args[2], args[3][1], 5, 0.25)   # 6 queries, 5 tokens
+    with pytest.raises(ValueError, match="one sequence's row"):
+        kernels.paged_prefill(torch.zeros(2, 4, 16), args[1], args[2], args[3], 5, 0.25)
+    with pytest.raises(ValueError, match="int32"):
+        kernels.paged_attention_v1(args[0], args[1], args[2], args[3].long(), args[4], 0.25)
+
+
+# --- 3. compiled on a GPU --------------------------------------------------------------------------
+
+def run_checks(device: str) -> list[dict]:
+    """Every kernel through the lab's launchers on `device` ("cuda": compiled and autotuned; "cpu": the
+    interpreter, with small shapes), in fp32, fp16 and (where the GPU has it) bf16."""
+    gpu = device == "cuda"
+    dtypes = [torch.float32, torch.float16]
+    if not gpu or torch.cuda.is_bf16_supported(including_emulation=False):     # a T4 (sm_75) has no bf16
+        dtypes.append(torch.bfloat16)
+    with tempfile.TemporaryDirectory(prefix="lab06-kernels-") as tmp:
+        mod = load_lab_module(gpu=gpu, directory=Path(tmp))
+        checks = (_store_checks(mod, dtypes, device) + _decode_checks(mod, dtypes, device, small=not gpu)
+                  + _prefill_checks(mod, dtypes, device, small=not gpu))
+    return [{"check": name, "err": err, "tol": tol, "ok": err < tol} for name, err, tol in checks]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compiled kernels run only there")
+def test_solution_kernels_compiled_on_the_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, __file__, "--device", "cuda"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=1800)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS")]
+    assert proc.returncode == 0 and lines, f"the GPU check failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    results = json.loads(lines[-1][len("RESULTS"):])
+    failed = [f"{r['check']}: max |diff| {r['err']:.1e} > {r['tol']}" for r in results if not r["ok"]]
+    assert results and not failed, "compiled kernels that disagree with the references:\n" + "\n".join(failed)
+
+
+# --- 4. the paged engine parts ---------------------------------------------------------------------
 
 def _write(k_cache, v_cache, k, v, slots):
     nb, bs, Hkv, D = k_cache.shape
@@ -229,3 +439,18 @@ def test_paged_cache_checks_and_copies():
     with pytest.raises(ValueError, match="prefill takes one sequence at a time"):
         forward_paged(model, torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), cache,
                       torch.zeros(6, dtype=torch.long), None, None, write_kv=_write, attention=_attend)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Run lab 06's solution kernels against the references on one device.")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cuda: compiled and autotuned (run without TRITON_INTERPRET); cpu: the interpreter")
+    device = parser.parse_args().device
+    if device == "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("unset TRITON_INTERPRET to run the kernels compiled")
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    results = run_checks(device)
+    for r in results:
+        print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['check']}: max |diff| {r['err']:.1e} (tolerance {r['tol']})")
+    print("RESULTS" + json.dumps(results))

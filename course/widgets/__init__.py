@@ -11,6 +11,7 @@ from .prefix_blocks import prefix_blocks
 from .sampling_explorer import sampling_explorer
 from .spec_trace import spec_trace
 from .token_distribution import next_token_explorer
+from .window_blocks import window_blocks
 
 __all__ = [
     "MAX_STATES",
@@ -26,4 +27,5 @@ __all__ = [
     "sampling_explorer",
     "show_token",
     "spec_trace",
+    "window_blocks",
 ]

@@ -1,0 +1,396 @@
+"""Lab 06, Problem 7 and the measurements: bytes and bandwidth, the model of the kernels on CPU, the
+perf_report benchmark against SDPA and the HBM roofline on a GPU, the prefill against SDPA's flash
+backend, a profile, your kernels inside the engine; then the summary and going further."""
+from autograder.authoring import code, md, solution, tests
+
+CELLS = [
+md(r"""
+## 5. Measure: bytes, bandwidth and the roofline
+
+A decode step's attention must read every cached key and value of every sequence once (per KV head:
+GQA's query heads share them), and does one multiply-add per element it reads for each query head of
+the group: `4 * H * L * D` FLOPs for `4 * Hkv * L * D` bytes in bf16. In lab 02's words its
+**arithmetic intensity** is `H / Hkv` FLOPs per byte (3 for SmolLM2), far left of any GPU's ridge
+point (hundreds of FLOPs per byte): it is memory-bound, and its floor is **bytes / bandwidth**. A kernel's **achieved bandwidth** is the bytes it
+had to read divided by its time; divided by the GPU's peak, it is the fraction of the **roofline** the
+kernel reaches. (The queries and outputs are a few kilobytes: next to megabytes of keys and values,
+leave them out.) Bandwidths are quoted in GB/s with 1 GB = 10^9 bytes, as on datasheets.
+"""),
+md(r"""
+## Problem 7: Bytes and bandwidth (2 points)
+
+**Deliverable:** `kv_bytes(context_lens, n_kv_head, head_dim, dtype)`: the bytes of keys **and** values
+one decode attention call must read for sequences of these lengths (a Python int; `dtype.itemsize`
+is the bytes of one element), and `bandwidth(seconds, nbytes, peak_bytes_per_s)`: the pair
+(achieved GB/s, fraction of the peak), both Python floats. The measurements below call them.
+"""),
+solution("bandwidth", r'''
+def kv_bytes(context_lens, n_kv_head, head_dim, dtype):
+    """Bytes of keys and values a decode attention call reads at least: each cached token's K and V, once per KV head."""
+    ### BEGIN SOLUTION
+    return 2 * sum(context_lens) * n_kv_head * head_dim * dtype.itemsize
+    ### END SOLUTION
+
+
+def bandwidth(seconds, nbytes, peak_bytes_per_s):
+    """(achieved GB/s, fraction of the peak) of a kernel that moved nbytes in `seconds`."""
+    ### BEGIN SOLUTION
+    achieved = nbytes / seconds
+    return achieved / 1e9, achieved / peak_bytes_per_s
+    ### END SOLUTION
+'''),
+tests("bandwidth_tests", 2, r"""
+from course.expect import expect_float, expect_int, expect_tuple
+n = expect_int(kv_bytes([1024] * 32, 3, 64, torch.bfloat16), "kv_bytes([1024] * 32, 3, 64, torch.bfloat16)", min=0)
+assert n == 25_165_824, f"32 sequences x 1024 tokens x 3 KV heads x 64 dims x 2 bytes, for K and V: 25,165,824 bytes, got {n:,}"
+gbs, frac = expect_tuple(bandwidth(40e-6, 25_165_824, 3.35e12), "bandwidth(40e-6, 25_165_824, 3.35e12)", 2)
+gbs, frac = expect_float(gbs, "the achieved GB/s"), expect_float(frac, "the fraction of the peak")
+assert abs(gbs - 629.1456) < 1e-3, f"25,165,824 bytes in 40 us is 629.1 GB/s (1 GB = 1e9 bytes), got {gbs}"
+assert abs(frac - 629.1456e9 / 3.35e12) < 1e-6, f"629.1 GB/s of a 3,350 GB/s peak is a fraction of 0.188 (not a percentage), got {frac}"
+### BEGIN HIDDEN TESTS
+for lens, hkv, d, dtype, want in (([1, 17, 300], 4, 16, torch.float32, 2 * 318 * 4 * 16 * 4),     # ragged: the sum, not B x max
+                                  ([5], 1, 128, torch.float16, 2 * 5 * 128 * 2),
+                                  ([2048, 1], 8, 64, torch.bfloat16, 2 * 2049 * 8 * 64 * 2),
+                                  ([], 3, 64, torch.float32, 0)):
+    got = expect_int(kv_bytes(lens, hkv, d, dtype), f"kv_bytes({lens}, {hkv}, {d}, {dtype})", min=0)
+    assert got == want, f"kv_bytes({lens}, {hkv}, {d}, {dtype}) is {want:,}, got {got:,} (K and V; every token of every sequence; bytes per element)"
+for seconds, nbytes, peak, want in ((1e-3, 2_000_000_000, 2e12, (2000.0, 1.0)), (0.5, 10**9, 4e9, (2.0, 0.5)),
+                                    (2e-6, 3_000_000, 320e9, (1500.0, 4.6875))):
+    got = expect_tuple(bandwidth(seconds, nbytes, peak), f"bandwidth({seconds}, {nbytes}, {peak})", 2)
+    a, b = expect_float(got[0], "the achieved GB/s"), expect_float(got[1], "the fraction of the peak")
+    assert abs(a - want[0]) < 1e-6 * want[0] and abs(b - want[1]) < 1e-9, \
+        f"bandwidth({seconds}, {nbytes}, {peak}) is {want}, got {(a, b)} (seconds, not ms; 1 GB = 1e9 bytes; a fraction, not %)"
+### END HIDDEN TESTS
+"""),
+md(r"""
+### What the hardware allows, and how the kernels use it (any machine)
+
+This needs no GPU: your `kv_bytes` with the datasheet bandwidths of three GPUs (`course.hardware.GPUS`)
+give the **floor** of one layer's decode attention for SmolLM2, the time a kernel running at 100% of the
+memory bandwidth would take. Next to it, how many programs each version launches on an H100 (132
+SMs), with `choose_split_len`, the launcher of your split-KV kernel:
+"""),
+code(r"""
+from course.hardware import GPUS
+
+gpus = {"T4": GPUS["T4"], "A100": GPUS["A100-80GB SXM"], "H100": GPUS["H100 SXM"]}
+print("SmolLM2 decode attention, one layer, bf16 (fp16 on a T4: the same bytes)")
+print(f"{'batch x context':>16}{'K/V bytes':>14}" + "".join(f"{'floor on ' + n:>16}" for n in gpus)
+      + f"{'v2 programs':>14}{'split_len':>11}{'split-KV programs':>19}")
+for B, ctx in ((32, 1024), (8, 8192), (1, 8192)):
+    nbytes = kv_bytes([ctx] * B, cfg.n_kv_head, cfg.head_dim, torch.bfloat16)
+    floors = "".join(f"{nbytes / (g.bandwidth_gbs * 1e9) * 1e6:>13.1f} us" for g in gpus.values())
+    split_len = choose_split_len(B, cfg.n_kv_head, ctx, n_sm=132)
+    split_programs = B * cfg.n_kv_head * -(-ctx // split_len)
+    print(f"{f'{B} x {ctx}':>16}{nbytes:>14,}{floors}{B * cfg.n_kv_head:>14}{split_len:>11}{split_programs:>19}")
+"""),
+md(r"""
+Two things to take from the table. First, the floors are microseconds: launching a kernel from Python
+costs microseconds of CPU time too (the profile below measures it on a GPU), so at this size launches
+are not free, and split-KV launches two kernels. Second, v2's programs cannot use an H100 at 8 x 8k,
+whatever their speed; the split-KV launcher asks for about two programs per SM.
+
+On a CPU your kernels run in the interpreter. Its time says nothing about a GPU: it counts
+program-iterations (each costs milliseconds of NumPy). That is why v2, with four times fewer
+iterations, beats v1 here, and why split-KV, with tiles of 16 tokens in the interpreter and a second
+kernel, does not beat v2:
+"""),
+code(r"""
+if env.gpu:
+    print("on a GPU: see the benchmark below")
+else:
+    lens = env.pick([256] * 4, [32, 32], cpu=[256] * 4)
+    case = paged_case(lens, H=cfg.n_head, Hkv=cfg.n_kv_head, D=cfg.head_dim, block_size=16)
+    split_len = choose_split_len(len(lens), cfg.n_kv_head, max(lens))
+    timed = {"PyTorch reference": lambda: paged_attention(*case, 0.125),
+             "Triton v1 (interpreter)": lambda: paged_attention_v1(*case, 0.125),
+             "Triton v2 (interpreter)": lambda: paged_attention_v2(*case, 0.125),
+             "Triton split-KV (interpreter)": lambda: paged_attention_split(*case, 0.125)}
+    for name, fn in timed.items():
+        start = time.perf_counter(); fn(); seconds = time.perf_counter() - start
+        print(f"{name:>30}: {seconds * 1e3:8.1f} ms   (interpreter time, not performance)")
+    programs, n_splits = len(lens) * cfg.n_kv_head, -(-max(lens) // split_len)
+    print(f"program-iterations: v1 {programs * (lens[0] // 16)}, v2 {programs * -(-lens[0] // 64)}, split-KV "
+          f"{programs * n_splits * -(-min(split_len, lens[0]) // 16)} + {len(lens) * cfg.n_head} merge programs")
+"""),
+md(r"""
+### On a GPU: your kernels against SDPA and the roofline
+
+`triton.testing.do_bench` runs a function many times, empties the L2 cache before each run (so keys
+and values come from memory, as in a real step, not from cache) and reports the median. The
+benchmark below is written the way Triton's tutorials write theirs: a `triton.testing.perf_report`
+sweep over context length and over batch size, with a line for each of your versions, for PyTorch's
+`scaled_dot_product_attention` on the same keys and values **already gathered** into contiguous
+tensors (the gather not counted, so it is a strong competitor: a library kernel on the friendliest
+layout; each KV head's 3 query heads go in as 3 query rows, so it too reads every key once), and for
+the roofline (your `bandwidth` of the peak). On a CPU it says why it cannot run.
+"""),
+code(r"""
+if not env.gpu:
+    print("skipped: no GPU here. do_bench and autotuning time the GPU's clock; the interpreter has none to time.")
+else:
+    from course.hardware import device_peak
+    from course.kernels import run_perf_report
+
+    peak = device_peak(env)                    # a GPU course.hardware knows: its datasheet; another: measured here
+    gpu, dt, dt_name = torch.cuda.get_device_name(0), env.dtype, str(env.dtype).removeprefix("torch.")
+    Hkv, G, D, scale = cfg.n_kv_head, cfg.group_size, cfg.head_dim, cfg.head_dim ** -0.5
+    inputs = {}
+
+    def decode_case(batch, ctx):
+        # paged inputs (shuffled blocks of 16) and the same keys and values gathered contiguous, one shape at a time
+        if (batch, ctx) not in inputs:
+            inputs.clear()
+            q, k_cache, v_cache, tables, lens = paged_case([ctx] * batch, cfg.n_head, Hkv, D, 16, dtype=dt)
+            kd = k_cache[tables.long()].reshape(batch, -1, Hkv, D)[:, :ctx].transpose(1, 2).contiguous()   # (B, Hkv, ctx, D)
+            vd = v_cache[tables.long()].reshape(batch, -1, Hkv, D)[:, :ctx].transpose(1, 2).contiguous()
+            inputs[(batch, ctx)] = ((q, k_cache, v_cache, tables, lens, scale), (q.view(batch, Hkv, G, D), kd, vd))
+        return inputs[(batch, ctx)]
+
+    def decode_time(batch, ctx, provider, quantiles=None):
+        paged, (qd, kd, vd) = decode_case(batch, ctx)
+        fn = {"v1": lambda: paged_attention_v1(*paged), "v2": lambda: paged_attention_v2(*paged),
+              "split": lambda: paged_attention_split(*paged),
+              "sdpa": lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale)}[provider]
+        return triton.testing.do_bench(fn, quantiles=quantiles, return_mode="median")   # ms
+
+    providers = ["v1", "v2", "split", "sdpa", "roofline"]
+    common = dict(line_arg="provider", line_vals=providers, ylabel="GB/s", x_log=True,
+                  line_names=["your v1", "your v2", "your split-KV", "SDPA, gathered K/V", "HBM roofline"],
+                  styles=[("tab:gray", "-"), ("tab:blue", "-"), ("tab:red", "-"), ("black", "--"), ("tab:green", ":")])
+
+    @triton.testing.perf_report([
+        triton.testing.Benchmark(x_names=["ctx"], x_vals=env.pick([256, 512, 1024, 2048, 4096, 8192], [1024, 8192]),
+                                 args={"batch": 8}, xlabel="context length (tokens), 8 sequences",
+                                 plot_name=f"decode attention, 8 sequences, {dt_name}, {gpu}", **common),
+        triton.testing.Benchmark(x_names=["batch"], x_vals=env.pick([1, 4, 16, 32, 64], [32]),
+                                 args={"ctx": 1024}, xlabel="sequences of 1024 tokens",
+                                 plot_name=f"decode attention, 1k context, {dt_name}, {gpu}", **common)])
+    def decode_bandwidth(batch, ctx, provider):
+        if provider == "roofline":
+            return peak.bytes_per_s / 1e9
+        nbytes = kv_bytes([ctx] * batch, Hkv, D, dt)
+        median, fast, slow = decode_time(batch, ctx, provider, quantiles=[0.5, 0.2, 0.8])
+        return tuple(bandwidth(ms * 1e-3, nbytes, peak.bytes_per_s)[0] for ms in (median, slow, fast))
+
+    paged, (qd, kd, vd) = decode_case(32, 1024)
+    check = (paged_attention_split(*paged).float() - F.scaled_dot_product_attention(qd, kd, vd, scale=scale).reshape(32, -1, D).float())
+    print(f"your split-KV against SDPA at 32 x 1024: max |diff| {check.abs().max().item():.1e} ({dt_name})")
+    sweeps = run_perf_report(decode_bandwidth)
+
+    # the same measurements as time per call: bytes / (GB/s); the roofline line becomes the floor
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), layout="constrained")
+    for ax, rows, x_name, fixed in zip(axes, sweeps, ("ctx", "batch"), ({"batch": 8}, {"ctx": 1024})):
+        shape = lambda r: {**fixed, x_name: int(r[x_name])}
+        for (name, (color, style)) in zip(common["line_names"], common["styles"]):
+            us = [kv_bytes([shape(r)["ctx"]] * shape(r)["batch"], Hkv, D, dt) / (r[name] * 1e9) * 1e6 for r in rows]
+            ax.plot([int(r[x_name]) for r in rows], us, "o" + style if name != "HBM roofline" else style, color=color,
+                    label=name if name != "HBM roofline" else "floor: bytes / bandwidth")
+        ax.set_xscale("log"); ax.set_yscale("log")
+        ax.set_xlabel(x_name if x_name == "batch" else "context length (tokens)"); ax.set_ylabel("us per call")
+        ax.set_title(f"{'8 sequences' if x_name == 'ctx' else '1k context'}, {dt_name}, {gpu}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    plt.show()
+"""),
+code(r"""
+if env.gpu:
+    from course.report import record
+
+    print(f"{gpu}, {dt_name}; memory bandwidth {peak.bytes_per_s / 1e9:,.0f} GB/s ({peak.source})")
+    for batch, ctx in ((32, 1024), (8, 8192)):
+        nbytes = kv_bytes([ctx] * batch, Hkv, D, dt)
+        t_split, t_sdpa = (decode_time(batch, ctx, p) * 1e-3 for p in ("split", "sdpa"))
+        gbs, frac = bandwidth(t_split, nbytes, peak.bytes_per_s)
+        print(f"{batch:3d} x {ctx:5d}: your split-KV {t_split * 1e6:7.1f} us = {gbs:6.0f} GB/s = {frac:4.0%} of the roofline; "
+              f"SDPA on gathered K/V {t_sdpa * 1e6:7.1f} us; yours runs at {t_sdpa / t_split:.2f}x SDPA's speed")
+        where = dict(device=gpu, dtype=dt_name, shape=f"{batch}x{ctx}")
+        record(f"split_kv_roofline_{batch}x{ctx}", frac, "of peak", "split-KV decode reaches >= 0.5 of the HBM roofline (issue 16 target)", **where)
+        record(f"split_kv_vs_sdpa_{batch}x{ctx}", t_sdpa / t_split, "x", "split-KV decode >= 0.8x SDPA on gathered K/V (issue 16 target)", **where)
+    print("the configuration autotuning kept:", getattr(tuned_split_kernel, "best_config", None))
+"""),
+md(r"""
+### On a GPU: the prefill against SDPA's flash backend
+
+The same measurement for Problem 6, one sequence at several prompt lengths, against PyTorch's
+FlashAttention backend (sm_80 and later; a T4 gets the memory-efficient one) on keys and values that
+are contiguous and already expanded to every query head. Prefill is compute-bound: the figure of
+merit is FLOP/s (two matrix products over the causal half of the scores: `4 * D * H * T (T + 1) / 2`).
+"""),
+code(r"""
+if not env.gpu:
+    print("skipped: no GPU here")
+else:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    flash = torch.cuda.get_device_capability(0) >= (8, 0)
+    backends = [SDPBackend.FLASH_ATTENTION] if flash else [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    H = cfg.n_head
+    print(f"causal prefill, one sequence, {dt_name} on {gpu}; SDPA backend: {'flash' if flash else 'memory-efficient'}")
+    for T in env.pick([4096, 2048, 1024, 512], [4096]):
+        _, k_cache, v_cache, tables, _ = paged_case([T], H, Hkv, D, 16, dtype=dt)
+        q = torch.randn(T, H, D, device=dev, dtype=dt)
+        kd = k_cache[tables[0].long()].reshape(-1, Hkv, D)[:T].transpose(0, 1).repeat_interleave(G, 0)[None]   # (1, H, T, D)
+        vd = v_cache[tables[0].long()].reshape(-1, Hkv, D)[:T].transpose(0, 1).repeat_interleave(G, 0)[None]
+        qd = q.transpose(0, 1)[None].contiguous()
+
+        def sdpa():
+            with sdpa_kernel(backends):
+                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+
+        mine = lambda: paged_prefill(q, k_cache, v_cache, tables[0], T, scale)
+        diff = (mine().float() - sdpa()[0].transpose(0, 1).float()).abs().max().item()
+        t_mine, t_sdpa = (triton.testing.do_bench(f, return_mode="median") * 1e-3 for f in (mine, sdpa))
+        flops = 4 * D * H * T * (T + 1) / 2
+        print(f"T={T:5d}: yours {t_mine * 1e6:8.1f} us ({flops / t_mine / 1e12:5.1f} TFLOP/s), SDPA {t_sdpa * 1e6:8.1f} us "
+              f"({flops / t_sdpa / 1e12:5.1f} TFLOP/s): yours runs at {t_sdpa / t_mine:.2f}x SDPA's speed; max |diff| {diff:.1e}")
+        if T == 4096:
+            from course.report import record
+            record("prefill_vs_sdpa_4096", t_sdpa / t_mine, "x", "the paged prefill kernel >= 0.5x SDPA's flash backend at 4k tokens (issue 16 target)",
+                   device=gpu, dtype=dt_name, backend="flash" if flash else "efficient")
+    print("the configuration autotuning kept:", getattr(tuned_prefill_kernel, "best_config", None))
+"""),
+md(r"""
+### On a GPU: read a profile
+
+Where does the time of one split-KV call go? `torch.profiler` records every kernel the GPU ran and every
+operation the CPU issued. Read the table: your two kernels (device time per call), the `empty`
+allocations of the partial buffers, and the CPU time it takes Python to check the arguments and
+launch both kernels. When the CPU time per call is longer than the GPU time, the GPU waits for
+Python between calls: in a real engine, CUDA graphs (lab 02) replay the launches without Python.
+"""),
+code(r"""
+if not env.gpu:
+    print("skipped: no GPU here")
+else:
+    from torch.profiler import ProfilerActivity, profile
+
+    paged, _ = decode_case(32, 1024)
+    paged_attention_split(*paged)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            paged_attention_split(*paged)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    print(events.table(sort_by="device_time_total", row_limit=8))
+    gpu_us = {e.key: e.device_time_total / 20 for e in events if e.device_time_total > 0}
+    stage1 = sum(t for k, t in gpu_us.items() if "paged_decode_split_kernel" in k)
+    stage2 = sum(t for k, t in gpu_us.items() if "split_reduce_kernel" in k)
+    start = time.perf_counter()
+    for _ in range(100):
+        paged_attention_split(*paged)
+    cpu_us = (time.perf_counter() - start) / 100 * 1e6
+    torch.cuda.synchronize()
+    print(f"per call at 32 x 1024: stage 1 {stage1:.1f} us and stage 2 {stage2:.1f} us on the GPU; "
+          f"{cpu_us:.1f} us of CPU time to launch them")
+    from course.report import record
+    record("split_kv_stage2_share", stage2 / max(stage1 + stage2, 1e-9), "of GPU time", "stage 2 is a small part of a split-KV call",
+           device=gpu, dtype=dt_name, shape="32x1024")
+    record("split_kv_cpu_launch_us", cpu_us, "us", "launching from Python costs microseconds of CPU per call", device=gpu)
+"""),
+md(r"""
+### Explain the gap (write it down)
+
+Answer in your own words, with **your** numbers (on a CPU, with the floors and program counts above,
+and say what you expect a GPU to show):
+
+1. At 32 x 1k and at 8 x 8k, what fraction of the roofline does your best kernel reach, and how fast is
+   it next to SDPA on gathered keys and values? Which of the two shapes is closer to the roofline, and why?
+2. From the profile: what share of a call is stage 2? What would it cost to merge inside stage 1 instead?
+3. Name two more reasons your kernel is below the roofline that you can see in your numbers (think of
+   the launch overhead against a floor of microseconds, the number of programs against the SMs, the
+   last wave of programs, the padded rows of `tl.dot`, the `TILE` autotuning picked).
+4. Why can v2 not reach the roofline at 8 x 8k, however well it is tuned?
+
+*Your answer here.*
+"""),
+md(r"""
+## 6. Your kernels in the engine
+
+On a GPU, the engine of lab 05 runs with your Triton kernels in place of the PyTorch functions:
+`store_kv` writes every new key and value, your split-KV kernel does every decode attention. It must
+give the same tokens as the contiguous engine of lab 04 (in bf16 or fp16, a near-tie between two
+tokens can part them: the cell prints how many agree) and, with a kernel that reads the blocks in
+place, run about as fast. In the interpreter a forward pass would launch thousands of slow programs
+per step, so on a CPU this cell only says so.
+"""),
+code(r"""
+if not env.gpu:
+    print("skipped: no GPU here. In the interpreter the engine would take minutes per step; the kernels were checked above.")
+else:
+    texts = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
+             "def fibonacci(n):", "The three primary colors are", "My trip to Yosemite was", "The quick brown fox"]
+    n_req, new_tokens, B = env.pick((32, 64, 16), (8, 16, 8))
+    def workload():
+        return [Request(i, tokenizer(texts[i % len(texts)]).input_ids, new_tokens) for i in range(n_req)]
+    max_len = max(len(r.prompt) for r in workload()) + new_tokens
+    n_blocks = B * -(-max_len // 16)
+    yours = dict(attention=paged_attention_split, write_kv=store_kv)
+    contiguous_generate(model, workload()[:2], 2, max_len)                          # warm-up (and autotuning)
+    paged_generate(model, workload()[:2], 2, n_blocks, 16, **yours)
+    runs = {"contiguous (slots, SDPA)": contiguous_generate(model, workload(), B, max_len),
+            "paged (PyTorch reference)": paged_generate(model, workload(), B, n_blocks, 16),
+            "paged (your Triton kernels)": paged_generate(model, workload(), B, n_blocks, 16, **yours)}
+    print(f"{n_req} requests x {new_tokens} tokens, batches of {B}, {env.dtype} on {torch.cuda.get_device_name(0)}")
+    same = sum(a == b for a, b in zip(runs["paged (your Triton kernels)"].outputs, runs["contiguous (slots, SDPA)"].outputs))
+    print(f"requests with the same tokens as the contiguous engine: {same} of {n_req}")
+    for name, run in runs.items():
+        print(f"{name:>30}: {run.throughput:7.1f} tokens/s   (decode steps: {getattr(run, 'graphs', 'eager')})")
+    ratio = runs["paged (your Triton kernels)"].throughput / runs["contiguous (slots, SDPA)"].throughput
+    print(f"the paged engine with your kernels runs at {ratio:.2f}x the contiguous engine's throughput")
+    from course.report import record
+    where = dict(device=torch.cuda.get_device_name(0), dtype=str(env.dtype), requests=n_req, batch=B)
+    record("engine_paged_triton_vs_contiguous", ratio, "x", "the paged engine with your kernels runs about as fast as the contiguous one (issue 16: >= 0.9x)", **where)
+    record("engine_same_tokens", same / n_req, "of requests", "the engine with your kernels gives the contiguous engine's tokens (a near-tie may part them)", **where)
+"""),
+md(r"""
+## Summary
+
+- A Triton kernel is the work of one **program**; a **grid** of programs runs in parallel, each finding
+  its share from `tl.program_id`. Programs load and store tiles, and **masks** switch off the lanes
+  outside the data: past a sequence's length or a split's end, padded heads and rows, a negative slot.
+- Paged decode attention keeps an **online softmax** across the blocks it reads through the block table;
+  one program per (sequence, KV head) serves a whole GQA group with one read of each key.
+- Decode attention is memory-bound: its floor is the bytes of keys and values over the memory bandwidth,
+  and a kernel is judged by the fraction of that roofline it reaches.
+- **Split-KV** gives long contexts enough programs to use every SM: each split writes its partial output
+  and log-sum-exp, and a second kernel merges them with a softmax over the log-sum-exps. Stacking a
+  group's query heads as the rows of a tile turns decode into `tl.dot`s.
+- **FlashAttention-style prefill** tiles queries against keys with the same online softmax, skips the
+  tiles above the causal diagonal, and works the same for a chunk after cached tokens.
+- Check every version against a reference, over dtypes, head layouts and edge cases; compile for the
+  GPUs you do not have; time with the GPU's clock and compare with the roofline and a library kernel.
+
+**Questions**
+1. Your v1 kernel loads each key once per KV head, not once per query head. By how much does that cut
+   the bytes read for SmolLM2 (9 query heads, 3 KV heads)?
+2. What does each mask in your kernels protect against? Remove one at a time and rerun the check.
+3. How many programs do v2 and your split-KV kernel launch for 8 sequences of 8k tokens on an H100?
+   What limits the split count from above?
+4. Why does the merge weight split `i` by `exp(lse_i - max lse)` and not by `exp(lse_i)`? What would an
+   fp32 kernel compute for scores around 150?
+5. The split-KV kernel computes 16 rows of `tl.dot` for SmolLM2's 3 query heads. Why does that waste
+   cost (almost) nothing in decode, and would it in prefill?
+6. Estimate the arithmetic intensity of the prefill at 4k tokens (FLOPs over the bytes of Q, K, V and the
+   output) and compare it with your GPU's ridge point from lab 02. Which roofline applies?
+7. At `start = 0`, what fraction of the key tiles does the causal stop at `hi` skip? And for a chunk of
+   512 queries after 3,584 cached tokens?
+
+## Going further
+
+- **Flash-Decoding** (Dao, Haziza, Massa, Sizov, 2023) introduced split-KV for long-context decode;
+  **FlashDecoding++** (Hong et al., 2024) avoids the merge's synchronisation with a unified maximum.
+- **vLLM**: its first CUDA kernel (PagedAttention v1) gave each thread group one block at a time, like
+  your v1; "PagedAttention v2" split the context into partitions of 512 tokens and reduced them, like your
+  split-KV; its V1 engine moved to one *unified* Triton attention kernel over mixed prefill and decode batches.
+- **SGLang**'s Triton decode attention (from LightLLM) has the same two stages, with a group of query
+  heads per program and `tl.dot`, as here.
+- **FlashInfer** (Ye et al., 2025) generates paged attention kernels for every layout and reaches close
+  to the memory bandwidth on long contexts; **FlashAttention-2/3** (Dao 2023; Shah et al. 2024) are the
+  prefill kernels most engines call (FA3 uses Hopper's `wgmma` and TMA asynchronously).
+- Triton's tutorials (`06-fused-attention.py`): the same online softmax with block pointers, a separate
+  loop for the diagonal tiles, and `exp2` with the scale folded in.
+"""),
+]

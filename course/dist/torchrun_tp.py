@@ -1,0 +1,166 @@
+"""Run lab 12's tensor-parallel model under torchrun: several GPUs with NCCL, or CPU ranks with gloo.
+
+From the notebook, write your answers to a file (their source, with the imports they need):
+
+    from course.dist.torchrun_tp import write_answers
+    write_answers("my_tp.py", [column_parallel, row_parallel, shard_block, tp_attention, tp_mlp])
+
+then, in a terminal, one process per GPU (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*):
+
+    torchrun --nproc-per-node=3 -m course.dist.torchrun_tp --answers my_tp.py
+    torchrun --nnodes=2 --node-rank=0 --nproc-per-node=8 --rdzv-endpoint=HOST:29500 -m course.dist.torchrun_tp ...
+
+Each rank loads the model on its own device (cuda:LOCAL_RANK with NCCL; CPU with gloo when the
+machine has fewer GPUs than ranks), keeps its shard of every block, and runs `tp_forward` with
+your `tp_attention` and `tp_mlp`. Rank 0 also runs the whole model alone and prints the largest
+logit difference, the all-reduce bytes per token, and the time of one forward.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+HEADER = '''"""Lab 12 answers, written by course.dist.torchrun_tp.write_answers."""
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course.dist.tp import TPBlock
+from course.models.decoder import apply_rope
+'''
+NEEDED = ("shard_block", "tp_attention", "tp_mlp")
+HEADER_NAMES = {"math", "time", "torch", "nn", "F", "TPBlock", "apply_rope"}
+
+
+def write_answers(path: str | Path, functions: list[Callable], extra_source: str = "") -> Path:
+    """Write the source of `functions` (defined in a notebook or a module) to `path`, after the
+    imports lab 12's answers use; `extra_source` for anything else they need (helpers, imports)."""
+    if not isinstance(functions, (list, tuple)) or not all(callable(f) for f in functions):
+        raise TypeError("functions must be a list of functions, e.g. [column_parallel, row_parallel, shard_block, ...]")
+    parts = [HEADER, extra_source.strip()]
+    defined = HEADER_NAMES | {f.__name__ for f in functions} | _bound(extra_source)
+    for f in functions:
+        missing = sorted(_globals_read(f) - defined)
+        if missing:
+            raise ValueError(f"{f.__name__} uses {missing}, which the file would not define: add the functions to "
+                             f"`functions`, and imports or constants to `extra_source`")
+    for f in functions:
+        try:
+            parts.append(inspect.getsource(f).rstrip())
+        except (OSError, TypeError) as e:
+            raise ValueError(f"cannot read the source of {getattr(f, '__name__', f)!r} ({e}): define it in a "
+                             f"notebook cell or a file") from None
+    path = Path(path)
+    path.write_text("\n\n\n".join(p for p in parts if p) + "\n")
+    return path
+
+
+def _globals_read(f: Callable) -> set[str]:
+    """Names `f` reads as globals (nested lambdas and comprehensions too) that its module defines:
+    what the answers file must define as well. Builtins and attribute names are not globals."""
+    import dis
+
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return set()
+    names, todo = set(), [code]
+    while todo:
+        c = todo.pop()
+        names |= {ins.argval for ins in dis.get_instructions(c) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+        todo += [k for k in c.co_consts if hasattr(k, "co_code")]
+    return {n for n in names if n in f.__globals__}
+
+
+def _bound(source: str) -> set[str]:
+    """Top-level names a piece of source defines (imports, assignments, functions, classes)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.parse(source or "").body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def load_answers(path: str | Path):
+    """Import the answers file as a module; it must define shard_block, tp_attention and tp_mlp."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--answers {path}: no such file (write it with write_answers in the notebook)")
+    spec = importlib.util.spec_from_file_location("lab12_answers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    missing = [n for n in NEEDED if not callable(getattr(module, n, None))]
+    if missing:
+        raise AttributeError(f"{path} does not define {missing}")
+    return module
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="torchrun ... -m course.dist.torchrun_tp", description=__doc__.split("\n")[0])
+    parser.add_argument("--answers", required=True, help="file written by write_answers")
+    parser.add_argument("--model", default=None, help="model name (default: the course's default model)")
+    parser.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog.")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with a GPU per rank")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    import course
+    from course.dist.launch import init_from_env
+    from course.dist.tp import tp_forward
+
+    answers = load_answers(args.answers)
+    comm = init_from_env(args.backend)
+    device = f"cuda:{torch.cuda.current_device()}" if comm.backend == "nccl" else "cpu"
+    if comm.backend == "gloo":
+        torch.set_num_threads(max(1, (torch.get_num_threads() or 1) // comm.world_size))
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    name = args.model or course.DEFAULT_MODEL
+    model = course.load_model(name, device=device, dtype=dtype).eval()
+    ids = torch.tensor([course.load_tokenizer(name)(args.prompt).input_ids], device=device)
+    pos = torch.arange(ids.shape[1], device=device)[None]
+    shards = [answers.shard_block(b, model.cfg, comm.rank, comm.world_size) for b in model.blocks]
+    run = lambda: tp_forward(model, shards, ids, pos, comm, attention=answers.tp_attention, mlp=answers.tp_mlp)  # noqa: E731
+    logits = run()                                                        # warm-up (and NCCL's first connection)
+    comm.stats.reset()
+    times = []
+    for _ in range(max(1, args.repeats)):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits = run()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    per_token = comm.stats.all_reduce_bytes / max(1, args.repeats) / ids.shape[1]
+    if comm.rank == 0:
+        with torch.no_grad():
+            ref = model(ids, pos)
+        diff = (logits.float() - ref.float()).abs().max().item()
+        print(f"{name}: {comm.world_size} ranks, backend {comm.backend}, {device}, {str(dtype).removeprefix('torch.')}")
+        print(f"max |logits - single device| = {diff:.3g} (largest logit {ref.float().abs().max().item():.3g})")
+        print(f"all-reduce: {comm.stats.all_reduce_calls // max(1, args.repeats)} calls per forward, "
+              f"{per_token:,.0f} bytes per token per rank")
+        print(f"one forward of {ids.shape[1]} tokens: {1e3 * sorted(times)[len(times) // 2]:.1f} ms (median of {len(times)})")
+    comm.barrier()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
