@@ -10,7 +10,7 @@ learns to map the hidden state after LAYERS blocks to what the full 30 blocks wo
 
 Data: the target's own continuations (greedy and sampled) of a few dozen prompt openings written
 for this script, none of them used by the lab. Loss: cross-entropy against the target's next-token
-distribution restricted to the subset vocabulary (distillation). Output: draft.safetensors here
+distribution restricted to the subset vocabulary (distillation). Output: course/data/draft.safetensors
 (adapter in float16 + the vocabulary subset, about 2.4 MB), and the time each stage took.
 
     .venv/bin/python assets/draft/train_draft.py
@@ -39,7 +39,7 @@ from course.models.decoder import RMSNorm, rope_cos_sin
 
 LAYERS, HIDDEN, VOCAB = 4, 1024, 8192
 NEW_TOKENS, EPOCHS, BATCH, LR = 128, 12, 512, 2e-3
-OUT = Path(__file__).resolve().parent / "draft.safetensors"
+OUT = Path(__file__).resolve().parents[2] / "course" / "data" / "draft.safetensors"   # ships in the package
 OPENINGS = [
     "Once upon a time, in a small village,", "The best way to learn a new language is", "Here is a recipe for",
     "Dear Sir or Madam, I am writing to", "The history of the Roman Empire", "In this tutorial, we will learn how to",

@@ -55,8 +55,9 @@ def _tiny_pair(seed, V=48):
     hf = _LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for prm in hf.parameters():
-            prm.copy_(torch.randn_like(prm) * 0.3)
-    return hf, _from_hf(course.ModelConfig.from_hf(hf.config), hf.state_dict())
+            prm.copy_(torch.randn_like(prm) * 0.3)              # drawn on the CPU: the same weights on every device
+    hf = hf.to(dev)
+    return hf, _from_hf(course.ModelConfig.from_hf(hf.config), hf.state_dict(), device=dev)
 '''.strip("\n")
 
 cells = [
@@ -92,13 +93,18 @@ The model and tokenizer of the earlier labs, and the engine loop of lab 04 as gi
 batch (left padding, mask-derived positions, one KV-cache slot per row). One thing is new. The loop
 does not choose tokens itself: it calls `pick(logits)` with the last logits of every row, `(B, V)`,
 and appends the `(B,)` token ids it returns. `pick` is the **sampler**, the part you write today.
+
+On a GPU the model runs in bfloat16 (`env.dtype`). The tests that compare tokens one for one (your
+beam search against Hugging Face, a seed's text alone and in a batch) run `model_fp32`, a float32
+copy: in bfloat16 two correct programs can round a near-tie differently. On a CPU both are the same model.
 """),
 locked("engine", r'''
 import torch
 from course.engine import SlotKVCache, forward_cached
 
 tokenizer = course.load_tokenizer()
-model = course.load_model(device=env.device)
+model = course.load_model(device=env.device, dtype=env.dtype)
+model_fp32 = model if env.dtype == torch.float32 else course.load_model(device=env.device)   # for exact comparisons
 dev = env.device
 EOS = tokenizer.eos_token_id
 
@@ -109,15 +115,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, pick, eos_tok
     """Static batch (lab 04): left-pad, prefill once, then decode in lockstep. `pick(logits)` maps the
     last logits of every row (B, V) to one new token per row (B,). A row stops after its EOS (kept)."""
     B, T, d = len(prompts), max(len(p) for p in prompts), model.device
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.long)
+    ids = torch.full((B, T), pad_id, dtype=torch.long, device=d)
+    mask = torch.zeros((B, T), dtype=torch.long, device=d)
     for b, p in enumerate(prompts):
-        ids[b, T - len(p):], mask[b, T - len(p):] = torch.tensor(p), 1
+        ids[b, T - len(p):], mask[b, T - len(p):] = torch.tensor(p, device=d), 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)                               # (B, T): positions skip the pads
-    cache = SlotKVCache(model.cfg, n_slots=B, max_len=T + max_new_tokens, device=d)
+    cache = SlotKVCache(model.cfg, n_slots=B, max_len=T + max_new_tokens, dtype=model.dtype, device=d)
     slots = torch.arange(B, device=d)
-    logits = forward_cached(model, ids.to(d), pos.to(d), cache, slots, mask.to(d))[:, -1]   # (B, V)
-    next_pos = pos[:, -1:].to(d) + 1                                       # (B, 1)
+    logits = forward_cached(model, ids, pos, cache, slots, mask)[:, -1]    # (B, V)
+    next_pos = pos[:, -1:] + 1                                             # (B, 1)
     out, done = [[] for _ in prompts], [False] * B
     for step in range(max_new_tokens):
         tokens = pick(logits)                                              # (B,): the sampler's choice
@@ -209,28 +215,35 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     ### END SOLUTION
 '''),
 tests("temperature_tests", 2, r"""
-z = torch.tensor([[1.0, 2.0, 4.0], [1.0, 2.0, 4.0], [0.0, -3.0, 3.0]])
-out = apply_temperature(z, torch.tensor([0.5, 2.0, 0.0]))
-assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
-assert torch.allclose(out[0], torch.tensor([2.0, 4.0, 8.0])), "row 0 at temperature 0.5: every logit doubles"
-assert torch.allclose(out[1], torch.tensor([0.5, 1.0, 2.0])), "row 1 at temperature 2: every logit halves"
+from course.expect import expect_tensor
+
+def tempered(z, t):
+    '''Your apply_temperature, its answer checked first: new (B, V) logits of z's dtype, on z's device.'''
+    return expect_tensor(apply_temperature(z, t), f"apply_temperature(logits, {[round(v, 4) for v in t.tolist()]})", dtype=z.dtype,
+                         shape=tuple(z.shape), device=dev)
+
+z = torch.tensor([[1.0, 2.0, 4.0], [1.0, 2.0, 4.0], [0.0, -3.0, 3.0]], device=dev)
+out = tempered(z, torch.tensor([0.5, 2.0, 0.0], device=dev))
+assert torch.allclose(out[0], torch.tensor([2.0, 4.0, 8.0], device=dev)), "row 0 at temperature 0.5: every logit doubles"
+assert torch.allclose(out[1], torch.tensor([0.5, 1.0, 2.0], device=dev)), "row 1 at temperature 2: every logit halves"
 assert torch.equal(out[2], z[2]), "temperature 0 means greedy: the row stays as it is (no division by 0)"
-assert torch.equal(z[0], torch.tensor([1.0, 2.0, 4.0])), "do not modify the input logits"
+assert torch.equal(z[0], torch.tensor([1.0, 2.0, 4.0], device=dev)), "do not modify the input logits"
 ### BEGIN HIDDEN TESTS
-g = torch.Generator().manual_seed(1)
-z = torch.randn(6, 50, generator=g) * 4
-t = torch.tensor([0.3, 1.0, 0.0, 1.7, 0.0, 2.5])
+g = torch.Generator().manual_seed(1)                         # test data drawn on the CPU: the same numbers on every device
+z = torch.randn(6, 50, generator=g).to(dev) * 4
+t = torch.tensor([0.3, 1.0, 0.0, 1.7, 0.0, 2.5], device=dev)
 keep = z.clone()
-got = apply_temperature(z, t)
+got = tempered(z, t)
 assert torch.equal(z, keep), "apply_temperature must not modify its input"
 for b in range(6):
     want = z[b] if t[b] == 0 else z[b] / t[b]
     assert torch.allclose(got[b], want, atol=1e-6), f"row {b}, temperature {t[b].item()}: wrong logits"
 assert torch.isfinite(got).all(), "no inf or nan: temperature-0 rows must not be divided by 0"
-p_cold, p_hot = torch.softmax(apply_temperature(z[:1], torch.tensor([0.2])), -1), torch.softmax(apply_temperature(z[:1], torch.tensor([5.0])), -1)
+p_cold = torch.softmax(tempered(z[:1], torch.tensor([0.2], device=dev)), -1)
+p_hot = torch.softmax(tempered(z[:1], torch.tensor([5.0], device=dev)), -1)
 assert p_cold.max() > torch.softmax(z[:1], -1).max() > p_hot.max(), "a low temperature sharpens, a high one flattens"
 try:
-    apply_temperature(z[:2], torch.tensor([1.0, -0.5]))
+    apply_temperature(z[:2], torch.tensor([1.0, -0.5], device=dev))
 except ValueError:
     pass
 else:
@@ -289,37 +302,43 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     ### END SOLUTION
 '''),
 tests("top_k_tests", 3, r"""
-z = torch.tensor([[3.0, 1.0, 2.0, 0.5], [3.0, 1.0, 2.0, 0.5]])
-out = apply_top_k(z, torch.tensor([2, 0]))
-assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
+from course.expect import expect_tensor
+
+def top_k_of(z, k):
+    '''Your apply_top_k, its answer checked first: new (B, V) logits of z's dtype, on z's device.'''
+    return expect_tensor(apply_top_k(z, k), f"apply_top_k(logits, {k.tolist()})", dtype=z.dtype, shape=tuple(z.shape),
+                         device=dev)
+
+z = torch.tensor([[3.0, 1.0, 2.0, 0.5], [3.0, 1.0, 2.0, 0.5]], device=dev)
+out = top_k_of(z, torch.tensor([2, 0], device=dev))
 assert torch.isinf(out[0]).tolist() == [False, True, False, True], "top_k=2 keeps the two largest logits (3.0 and 2.0)"
 assert torch.equal(out[0, [0, 2]], z[0, [0, 2]]), "kept logits stay unchanged"
 assert torch.equal(out[1], z[1]), "top_k=0 means off: the row is unchanged"
-tied = apply_top_k(torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0]]), torch.tensor([2]))
+tied = top_k_of(torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0]], device=dev), torch.tensor([2], device=dev))
 assert torch.isinf(tied[0]).tolist() == [True, False, False, False, True], \
     "ties: every token equal to the k-th largest logit survives (here three tokens tie at 2.0)"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_REFERENCE + r"""
-g = torch.Generator().manual_seed(2)
-z = torch.randn(5, 40, generator=g) * 3
+g = torch.Generator().manual_seed(2)                         # test data drawn on the CPU: the same numbers on every device
+z = torch.randn(5, 40, generator=g).to(dev) * 3
 keep = z.clone()
-ks = torch.tensor([1, 7, 0, 40, 55])
-got = apply_top_k(z, ks)
+ks = torch.tensor([1, 7, 0, 40, 55], device=dev)
+got = top_k_of(z, ks)
 assert torch.equal(z, keep), "apply_top_k must not modify its input"
 for b, k in enumerate(ks.tolist()):
     want = set(range(40)) if k <= 0 or k >= 40 else set(torch.argsort(z[b], descending=True)[:k].tolist())
     assert _kept(got[b]) == want, f"row {b}, top_k={k}: wrong survivors"
     assert torch.equal(got[b][list(want)], z[b][list(want)]), "kept logits must stay unchanged"
 ties = torch.tensor([[5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0], [5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0],
-                     [5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]])
-got = apply_top_k(ties, torch.tensor([1, 3, 5, 2]))
+                     [5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]], device=dev)
+got = top_k_of(ties, torch.tensor([1, 3, 5, 2], device=dev))
 assert _kept(got[0]) == {0, 2}, "top_k=1 with two tokens tied at the top: both survive"
 assert _kept(got[1]) == {0, 2, 3, 4, 5}, "top_k=3: the 3rd largest is 3.0, and every token at 3.0 survives"
 assert _kept(got[2]) == {0, 2, 3, 4, 5}, "top_k=5: exactly the tokens down to the 5th largest"
 assert _kept(got[3]) == set(range(7)), "all logits equal: every token ties with the k-th and survives"
-masked = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf"), 2.0]])
-assert _kept(apply_top_k(masked, torch.tensor([4]))) == {0, 2, 4}, "tokens already at -inf stay removed"
-assert _kept(apply_top_k(masked, torch.tensor([2]))) == {2, 4}
+masked = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf"), 2.0]], device=dev)
+assert _kept(top_k_of(masked, torch.tensor([4], device=dev))) == {0, 2, 4}, "tokens already at -inf stay removed"
+assert _kept(top_k_of(masked, torch.tensor([2], device=dev))) == {2, 4}, "top_k=2 over a row with two tokens at -inf"
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -348,24 +367,30 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     ### END SOLUTION
 '''),
 tests("top_p_tests", 3, r"""
-z = torch.tensor([0.5, 0.3, 0.2]).log().expand(4, 3)
-out = apply_top_p(z, torch.tensor([0.6, 0.45, 0.9, 1.0]))
-assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
+from course.expect import expect_tensor
+
+def top_p_of(z, p):
+    '''Your apply_top_p, its answer checked first: new (B, V) logits of z's dtype, on z's device.'''
+    return expect_tensor(apply_top_p(z, p), f"apply_top_p(logits, {[round(v, 4) for v in p.tolist()]})", dtype=z.dtype, shape=tuple(z.shape),
+                         device=dev)
+
+z = torch.tensor([0.5, 0.3, 0.2], device=dev).log().expand(4, 3)
+out = top_p_of(z, torch.tensor([0.6, 0.45, 0.9, 1.0], device=dev))
 assert torch.isinf(out[0]).tolist() == [False, False, True], \
     "top_p=0.6 over (0.5, 0.3, 0.2): 0.5 alone is short of 0.6, so the token that crosses it (0.3) is kept too"
 assert torch.isinf(out[1]).tolist() == [False, True, True], "top_p=0.45: the top token alone reaches it"
 assert torch.isinf(out[2]).tolist() == [False, False, False], "top_p=0.9: 0.5 + 0.3 = 0.8 < 0.9, so 0.2 is needed too"
 assert torch.equal(out[0, :2], z[0, :2]), "kept logits stay unchanged"
-wide = torch.linspace(30.0, -30.0, 200)[None]
-assert torch.equal(apply_top_p(wide, torch.tensor([1.0])), wide), \
+wide = torch.linspace(30.0, -30.0, 200, device=dev)[None]
+assert torch.equal(top_p_of(wide, torch.tensor([1.0], device=dev)), wide), \
     "top_p=1 is off: nothing is removed, not even tokens whose probability is tiny (a float32 running sum reaches 1.0 early)"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_REFERENCE + r"""
-g = torch.Generator().manual_seed(3)
-z = torch.randn(6, 30, generator=g) * 2.5
+g = torch.Generator().manual_seed(3)                         # test data drawn on the CPU: the same numbers on every device
+z = torch.randn(6, 30, generator=g).to(dev) * 2.5
 keep = z.clone()
 ps = [0.05, 0.3, 0.62, 0.9, 0.97, 1.0]
-got = apply_top_p(z, torch.tensor(ps))
+got = top_p_of(z, torch.tensor(ps, device=dev))
 assert torch.equal(z, keep), "apply_top_p must not modify its input"
 for b, p in enumerate(ps):
     ref = _ref_probs(z[b].double().tolist(), p=p)
@@ -374,16 +399,16 @@ for b, p in enumerate(ps):
     assert p == 1.0 or ((srt.cumsum(0) - srt - p).abs() > 1e-4).all(), "self-check: no token sits on the boundary"
     assert _kept(got[b]) == set(ref), f"row {b}, top_p={p}: expected survivors {sorted(ref)}, got {sorted(_kept(got[b]))}"
     assert torch.equal(got[b][sorted(ref)], z[b][sorted(ref)]), "kept logits must stay unchanged"
-two = torch.tensor([[4.0, 0.0, -1.0, -2.0]])
-assert _kept(apply_top_p(two, torch.tensor([0.01]))) == {0}, "the top token always survives"
-masked = torch.tensor([[2.0, float("-inf"), 1.0, 0.0, float("-inf")]])      # probabilities 0.665, 0.245, 0.090
-assert _kept(apply_top_p(masked, torch.tensor([0.8]))) == {0, 2}, "probabilities come from the softmax over the row as given"
-assert _kept(apply_top_p(masked, torch.tensor([1.0]))) == {0, 2, 3}
-wide = torch.linspace(40.0, -40.0, 500).expand(2, 500)
-assert torch.equal(apply_top_p(wide, torch.tensor([1.0, 1.0])), wide), "top_p = 1 removes nothing"
+two = torch.tensor([[4.0, 0.0, -1.0, -2.0]], device=dev)
+assert _kept(top_p_of(two, torch.tensor([0.01], device=dev))) == {0}, "the top token always survives"
+masked = torch.tensor([[2.0, float("-inf"), 1.0, 0.0, float("-inf")]], device=dev)      # probabilities 0.665, 0.245, 0.090
+assert _kept(top_p_of(masked, torch.tensor([0.8], device=dev))) == {0, 2}, "probabilities come from the softmax over the row as given"
+assert _kept(top_p_of(masked, torch.tensor([1.0], device=dev))) == {0, 2, 3}, "top_p = 1 keeps every token not already at -inf"
+wide = torch.linspace(40.0, -40.0, 500, device=dev).expand(2, 500)
+assert torch.equal(top_p_of(wide, torch.tensor([1.0, 1.0], device=dev)), wide), "top_p = 1 removes nothing"
 for bad in (0.0, 1.5, -0.2):
     try:
-        apply_top_p(z[:1], torch.tensor([bad]))
+        apply_top_p(z[:1], torch.tensor([bad], device=dev))
     except ValueError:
         pass
     else:
@@ -457,26 +482,32 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     ### END SOLUTION
 '''),
 tests("min_p_tests", 2, r"""
-z = torch.tensor([0.6, 0.3, 0.07, 0.03]).log().expand(3, 4)
-out = apply_min_p(z, torch.tensor([0.1, 0.4, 0.0]))
-assert out.shape == z.shape, f"expected shape {tuple(z.shape)}, got {tuple(out.shape)}"
+from course.expect import expect_tensor
+
+def min_p_of(z, m):
+    '''Your apply_min_p, its answer checked first: new (B, V) logits of z's dtype, on z's device.'''
+    return expect_tensor(apply_min_p(z, m), f"apply_min_p(logits, {[round(v, 4) for v in m.tolist()]})", dtype=z.dtype, shape=tuple(z.shape),
+                         device=dev)
+
+z = torch.tensor([0.6, 0.3, 0.07, 0.03], device=dev).log().expand(3, 4)
+out = min_p_of(z, torch.tensor([0.1, 0.4, 0.0], device=dev))
 assert torch.isinf(out[0]).tolist() == [False, False, False, True], "min_p=0.1, top 0.6: the bar is 0.06, so 0.03 is cut"
 assert torch.isinf(out[1]).tolist() == [False, False, True, True], "min_p=0.4: the bar is 0.24"
 assert torch.equal(out[2], z[2]), "min_p=0 changes nothing"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_REFERENCE + r"""
-g = torch.Generator().manual_seed(4)
-z = torch.randn(5, 30, generator=g) * 2
+g = torch.Generator().manual_seed(4)                         # test data drawn on the CPU: the same numbers on every device
+z = torch.randn(5, 30, generator=g).to(dev) * 2
 keep = z.clone()
 ms = [0.0, 0.02, 0.13, 0.5, 1.0]
-got = apply_min_p(z, torch.tensor(ms))
+got = min_p_of(z, torch.tensor(ms, device=dev))
 assert torch.equal(z, keep), "apply_min_p must not modify its input"
 for b, m in enumerate(ms):
     ref = _ref_probs(z[b].double().tolist(), m=m)
     assert _kept(got[b]) == set(ref), f"row {b}, min_p={m}: expected survivors {sorted(ref)}, got {sorted(_kept(got[b]))}"
     assert torch.equal(got[b][sorted(ref)], z[b][sorted(ref)]), "kept logits must stay unchanged"
-hot = torch.tensor([[8.0, 7.0, 0.0, -1.0]])
-assert _kept(apply_min_p(hot, torch.tensor([0.3]))) == {0, 1}, "the bar is relative to the top probability"
+hot = torch.tensor([[8.0, 7.0, 0.0, -1.0]], device=dev)
+assert _kept(min_p_of(hot, torch.tensor([0.3], device=dev))) == {0, 1}, "the bar is relative to the top probability"
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -540,7 +571,9 @@ means none at all), and returns `(B,)` `torch.long` token ids: the argmax of the
 rows at temperature 0, and for the other rows one token drawn from the distribution left by your
 processors in the order above, each row with its own settings, a row with a generator drawing with
 that generator only. Raise `ValueError` if `params` or `generators` does not have `B` entries. Do not
-modify `logits`. (`torch.multinomial(probs, 1, generator=g)` draws one token from each row of `probs`.)
+modify `logits`. (`torch.multinomial(probs, 1, generator=g)` draws one token from each row of `probs`;
+on a GPU, `g` must live on the device of `probs`.) The tests run your sampler on the course's
+processors (`course.engine.logits`), so a mistake in Problems 1-4 costs only their own points.
 """),
 solution("sampler", r'''
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -572,25 +605,39 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     ### END SOLUTION
 '''),
 tests("sampler_tests", 4, r"""
-z = torch.tensor([[0.0, 3.0, 1.0, 2.0]]).repeat(3, 1)
-out = sample(z, [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(temperature=0.7, top_p=0.5)])
-assert out.shape == (3,) and out.dtype == torch.long, f"expected a (3,) torch.long tensor, got {tuple(out.shape)} {out.dtype}"
-assert out[0] == 1, "temperature 0 is greedy: the argmax of the raw logits"
-assert out[1] == 1, "top_k=1 leaves only the top token"
-assert out[2] == 1, "top_p=0.5 keeps only the top token here (p = 0.76 at temperature 0.7)"
-assert torch.equal(z[0], torch.tensor([0.0, 3.0, 1.0, 2.0])), "do not modify the logits"
-flat = torch.zeros(1, 50)
-runs = [[sample(flat, [SamplingParams(seed=7)], [g]).item() for _ in range(30)] for g in
-        (torch.Generator().manual_seed(7), torch.Generator().manual_seed(7))]
-assert runs[0] == runs[1], "the same seed must give the same tokens: draw seeded rows with their own generator"
-assert len(set(runs[0])) > 5, "a generator must advance from draw to draw: 30 draws from 50 equal tokens cannot all agree"
-# Frequencies: 20,000 draws of a known distribution. By Hoeffding's inequality, a correct sampler's
-# frequency of a token misses its probability by 0.03 or more with chance at most
-# 2 exp(-2 * 20000 * 0.03**2) = 4.6e-16, so this check fails a correct sampler less than once in 10^15 runs.
-N = 20000
-freq = torch.bincount(sample(torch.tensor([0.5, 0.3, 0.2]).log().expand(N, 3), [SamplingParams()] * N), minlength=3) / N
-assert (freq - torch.tensor([0.5, 0.3, 0.2])).abs().max() < 0.03, \
-    f"temperature 1, no truncation: frequencies {freq.tolist()} should be close to (0.5, 0.3, 0.2)"
+from course.engine import logits as course_logits
+from course.expect import expect_tensor, substituted
+
+# Graded on its own: here your sampler runs on the course's processors (Problems 1-4, released in
+# course.engine.logits), so a mistake in one of them costs only that problem's points.
+course_processors = dict(apply_temperature=course_logits.apply_temperature, apply_top_k=course_logits.apply_top_k,
+                         apply_top_p=course_logits.apply_top_p, apply_min_p=course_logits.apply_min_p)
+
+def sampled(z, params, generators=None):
+    '''Your sample, its answer checked first: (B,) torch.long token ids on the logits' device.'''
+    return expect_tensor(sample(z, params, generators), "sample(logits, params, generators)", dtype=torch.long,
+                         shape=(z.shape[0],), device=dev)
+
+with substituted(globals(), **course_processors):
+    z = torch.tensor([[0.0, 3.0, 1.0, 2.0]], device=dev).repeat(3, 1)
+    out = sampled(z, [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(temperature=0.7, top_p=0.5)])
+    assert out[0] == 1, "temperature 0 is greedy: the argmax of the raw logits"
+    assert out[1] == 1, "top_k=1 leaves only the top token"
+    assert out[2] == 1, "top_p=0.5 keeps only the top token here (p = 0.76 at temperature 0.7)"
+    assert torch.equal(z[0], torch.tensor([0.0, 3.0, 1.0, 2.0], device=dev)), "do not modify the logits"
+    flat = torch.zeros(1, 50, device=dev)
+    runs = [[sampled(flat, [SamplingParams(seed=7)], [g]).item() for _ in range(30)] for g in
+            (torch.Generator(device=dev).manual_seed(7), torch.Generator(device=dev).manual_seed(7))]
+    assert runs[0] == runs[1], "the same seed must give the same tokens: draw seeded rows with their own generator"
+    assert len(set(runs[0])) > 5, "a generator must advance from draw to draw: 30 draws from 50 equal tokens cannot all agree"
+    # Frequencies: 20,000 draws of a known distribution. By Hoeffding's inequality, a correct sampler's
+    # frequency of a token misses its probability by 0.03 or more with chance at most
+    # 2 exp(-2 * 20000 * 0.03**2) = 4.6e-16, so this check fails a correct sampler less than once in 10^15 runs.
+    N = 20000
+    freq = torch.bincount(sampled(torch.tensor([0.5, 0.3, 0.2], device=dev).log().expand(N, 3), [SamplingParams()] * N),
+                          minlength=3) / N
+    assert (freq - torch.tensor([0.5, 0.3, 0.2], device=dev)).abs().max() < 0.03, \
+        f"temperature 1, no truncation: frequencies {freq.tolist()} should be close to (0.5, 0.3, 0.2)"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_REFERENCE + r"""
 # Frequencies against the float64 reference. Each check below fails a correct sampler with chance at
@@ -598,7 +645,7 @@ assert (freq - torch.tensor([0.5, 0.3, 0.2])).abs().max() < 0.03, \
 # 6 tokens x 5 settings = 30 checks, so a false failure has chance below 30 x 3.1e-8 = 1e-6 by the
 # union bound. Seeds are fixed, so the outcome is also the same on every run.
 q = [0.35, 0.25, 0.15, 0.12, 0.08, 0.05]
-z6 = torch.tensor(q).log()
+z6 = torch.tensor(q, device=dev).log()
 N, eps = 10000, 0.03
 settings = [dict(temperature=0.5, top_p=0.7),                 # temperature before top-p; the crossing token
             dict(temperature=0.8, top_p=0.7, min_p=0.25),     # min-p before top-p (vLLM's order)
@@ -613,48 +660,49 @@ def _check(draws, s):
             assert freq[i] == 0, f"{s}: token {i} must be cut, but was drawn {int(freq[i] * len(draws))} times"
         else:
             assert abs(freq[i] - ref[i]) < eps, f"{s}: token {i} drawn with frequency {freq[i]:.3f}, expected {ref[i]:.3f}"
-torch.manual_seed(123)
-params = [SamplingParams(**s) for s in settings for _ in range(N)]
-draws = sample(z6.expand(len(params), 6).clone(), params)
-for j, s in enumerate(settings):
-    _check(draws[j * N:(j + 1) * N].cpu(), s)
-seeded = dict(temperature=1.3, top_p=0.8)
-gens = [torch.Generator().manual_seed(1000 + i) for i in range(N)]
-_check(sample(z6.expand(N, 6).clone(), [SamplingParams(**seeded)] * N, gens).cpu(), seeded)
-# greedy rows: argmax of the raw logits, whatever else is set, with or without a generator
-g = torch.Generator().manual_seed(5)
-z = torch.randn(4, 30, generator=g) * 3
-ps = [SamplingParams(temperature=0.0, top_p=0.3), SamplingParams(temperature=0.0, top_k=2, seed=1),
-      SamplingParams(temperature=0.0, min_p=0.9), SamplingParams(temperature=0.0)]
-got = sample(z, ps, [None, torch.Generator().manual_seed(1), None, None])
-assert got.tolist() == z.argmax(-1).tolist(), "temperature 0 rows must return the argmax of the raw logits"
-keep = z.clone()
-sample(z, [SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05)] * 4)
-assert torch.equal(z, keep), "sample must not modify the logits"
-# one generator per row: same seed, same draws, whatever the neighbours or the position in the batch
-flat = torch.zeros(4, 40)
-def _seq(rows_gens, row, calls=25):
-    return [sample(flat[:len(rows_gens)], [SamplingParams()] * len(rows_gens), rows_gens)[row].item() for _ in range(calls)]
-alone = _seq([torch.Generator().manual_seed(11)], 0)
-torch.manual_seed(0)
-crowd = _seq([None, torch.Generator().manual_seed(3), torch.Generator().manual_seed(11), None], 2)
-assert alone == crowd, "a seeded row must draw the same tokens alone and in a batch: use only its own generator"
-twins = [torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)]
-pairs = [sample(flat[:2], [SamplingParams()] * 2, twins).tolist() for _ in range(25)]
-assert all(a == b for a, b in pairs), "two rows with equally seeded generators must draw equal tokens"
-assert len({a for a, _ in pairs}) > 5, "each generator must advance with every draw"
-torch.manual_seed(42)
-a = [sample(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
-torch.manual_seed(42)
-b = [sample(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
-assert a == b, "rows without a generator draw from torch's global generator"
-for bad in (dict(params=[SamplingParams()] * 3), dict(params=[SamplingParams()] * 4, generators=[None] * 2)):
-    try:
-        sample(flat, **bad)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("params and generators must have one entry per row: raise ValueError")
+with substituted(globals(), **course_processors):
+    torch.manual_seed(123)
+    params = [SamplingParams(**s) for s in settings for _ in range(N)]
+    draws = sampled(z6.expand(len(params), 6).clone(), params)
+    for j, s in enumerate(settings):
+        _check(draws[j * N:(j + 1) * N].cpu(), s)
+    seeded = dict(temperature=1.3, top_p=0.8)
+    gens = [torch.Generator(device=dev).manual_seed(1000 + i) for i in range(N)]
+    _check(sampled(z6.expand(N, 6).clone(), [SamplingParams(**seeded)] * N, gens).cpu(), seeded)
+    # greedy rows: argmax of the raw logits, whatever else is set, with or without a generator
+    g = torch.Generator().manual_seed(5)                     # test data drawn on the CPU: the same numbers on every device
+    z = torch.randn(4, 30, generator=g).to(dev) * 3
+    ps = [SamplingParams(temperature=0.0, top_p=0.3), SamplingParams(temperature=0.0, top_k=2, seed=1),
+          SamplingParams(temperature=0.0, min_p=0.9), SamplingParams(temperature=0.0)]
+    got = sampled(z, ps, [None, torch.Generator(device=dev).manual_seed(1), None, None])
+    assert got.tolist() == z.argmax(-1).tolist(), "temperature 0 rows must return the argmax of the raw logits"
+    keep = z.clone()
+    sample(z, [SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05)] * 4)
+    assert torch.equal(z, keep), "sample must not modify the logits"
+    # one generator per row: same seed, same draws, whatever the neighbours or the position in the batch
+    flat = torch.zeros(4, 40, device=dev)
+    def _seq(rows_gens, row, calls=25):
+        return [sampled(flat[:len(rows_gens)], [SamplingParams()] * len(rows_gens), rows_gens)[row].item() for _ in range(calls)]
+    alone = _seq([torch.Generator(device=dev).manual_seed(11)], 0)
+    torch.manual_seed(0)
+    crowd = _seq([None, torch.Generator(device=dev).manual_seed(3), torch.Generator(device=dev).manual_seed(11), None], 2)
+    assert alone == crowd, "a seeded row must draw the same tokens alone and in a batch: use only its own generator"
+    twins = [torch.Generator(device=dev).manual_seed(9), torch.Generator(device=dev).manual_seed(9)]
+    pairs = [sampled(flat[:2], [SamplingParams()] * 2, twins).tolist() for _ in range(25)]
+    assert all(a == b for a, b in pairs), "two rows with equally seeded generators must draw equal tokens"
+    assert len({a for a, _ in pairs}) > 5, "each generator must advance with every draw"
+    torch.manual_seed(42)
+    a = [sampled(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
+    torch.manual_seed(42)
+    b = [sampled(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
+    assert a == b, "rows without a generator draw from torch's global generator"
+    for bad in (dict(params=[SamplingParams()] * 3), dict(params=[SamplingParams()] * 4, generators=[None] * 2)):
+        try:
+            sample(flat, **bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("params and generators must have one entry per row: raise ValueError")
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -688,7 +736,8 @@ repeatable, in any batch.
 the new tokens of every prompt (a list of lists), generated in one batch with the given `generate`
 loop, where row `b` is sampled with `params[b]`: a request with a `seed` gets its own
 `torch.Generator` (on the model's device), seeded with that seed once, before the first token;
-a request without a seed uses torch's global generator.
+a request without a seed uses torch's global generator. (The tests run it on the course's sampler,
+`course.engine.sampler.sample`, so that a mistake in Problem 5 costs only Problem 5's points.)
 """),
 solution("sampled_generate", r'''
 def sampled_generate(model, prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int,
@@ -708,40 +757,54 @@ for q in (SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.
     print(q.seed, repr(tokenizer.decode(sampled_generate(model, [fox], [q], 12)[0])))
 """),
 tests("sampled_generate_tests", 2, r"""
-fox = tokenizer("The quick brown fox jumps over the").input_ids
-q = SamplingParams(temperature=1.0, seed=1234)
-one = sampled_generate(model, [fox], [q], 8)[0]
-assert len(one) == 8, f"expected 8 new tokens, got {len(one)}"
-assert sampled_generate(model, [fox], [q], 8)[0] == one, "the same seed must give the same text"
-other = tokenizer("Water boils at").input_ids
-batch = sampled_generate(model, [other, fox], [SamplingParams(temperature=1.3), q], 8)
-assert batch[1] == one, "a seeded request must give the same text when it shares the batch with another request"
-greedy = generate(model, [fox], 8, greedy_pick)[0]
-assert sampled_generate(model, [fox], [SamplingParams(temperature=0.0)], 8)[0] == greedy, "temperature 0 is greedy"
+from course.engine.sampler import sample as course_sample
+from course.expect import expect_ints, expect_type, substituted
+
+def texts(m, prompts, params, n, eos=None):
+    '''Your sampled_generate, its answer checked first: one list of int token ids per prompt.'''
+    out = expect_type(sampled_generate(m, prompts, params, n, eos_token_id=eos), "sampled_generate(model, prompts, params, n)", list)
+    assert len(out) == len(prompts), f"one list of new tokens per prompt: {len(prompts)} prompts, got {len(out)} lists"
+    return [expect_ints(o, f"sampled_generate(...)[{i}]") for i, o in enumerate(out)]
+
+# Graded on its own: here your sampled_generate runs on the course's sampler (Problem 5, released in
+# course.engine.sampler), so a mistake in Problem 5 costs only Problem 5's points. The real model runs
+# in float32 (model_fp32): a seed's tokens alone and in a batch must agree exactly.
+with substituted(globals(), sample=course_sample):
+    fox = tokenizer("The quick brown fox jumps over the").input_ids
+    q = SamplingParams(temperature=1.0, seed=1234)
+    one = texts(model_fp32, [fox], [q], 8)[0]
+    assert len(one) == 8, f"expected 8 new tokens, got {len(one)}"
+    assert texts(model_fp32, [fox], [q], 8)[0] == one, "the same seed must give the same text"
+    other = tokenizer("Water boils at").input_ids
+    batch = texts(model_fp32, [other, fox], [SamplingParams(temperature=1.3), q], 8)
+    assert batch[1] == one, "a seeded request must give the same text when it shares the batch with another request"
+    greedy = generate(model_fp32, [fox], 8, greedy_pick)[0]
+    assert texts(model_fp32, [fox], [SamplingParams(temperature=0.0)], 8)[0] == greedy, "temperature 0 is greedy"
 ### BEGIN HIDDEN TESTS
 torch.manual_seed(0)
 cfg = course.ModelConfig(family="llama", vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, d_model=16, d_ff=32, max_seq_len=64)
-flat = course.Decoder(cfg).eval()
+flat = course.Decoder(cfg).eval().to(dev)
 with torch.no_grad():
     for prm in flat.parameters():
         prm.zero_()                                         # every logit 0: a uniform next token, at every step
 ps = [[1, 2, 3], [4], [5, 6]]
 seeded = [SamplingParams(seed=21), SamplingParams(seed=8), SamplingParams(seed=21)]
-out = sampled_generate(flat, ps, seeded, 30)
-assert [len(o) for o in out] == [30, 30, 30]
-assert out[0] == out[2], "two requests with the same seed must give the same tokens, even in one batch"
-assert out[0] != out[1], "different seeds must give different tokens"
-assert len(set(out[0])) > 10, "the generator must be created once and keep advancing (30 uniform draws from 64 tokens)"
-alone = sampled_generate(flat, [[5, 6]], [SamplingParams(seed=21)], 30)[0]
-assert alone == out[2], "a seeded request's tokens must not depend on the batch"
-shuffled = sampled_generate(flat, [ps[2], [9, 9, 9, 9], ps[0]], [seeded[2], SamplingParams(), seeded[0]], 30)
-assert shuffled[0] == out[2] and shuffled[2] == out[0], "nor on its position in the batch"
-torch.manual_seed(5)
-u1 = sampled_generate(flat, ps, [SamplingParams()] * 3, 10)
-torch.manual_seed(5)
-assert sampled_generate(flat, ps, [SamplingParams()] * 3, 10) == u1, "requests without a seed use torch's global generator"
-eos_run = sampled_generate(flat, [[1]], [SamplingParams(seed=3)], 60, eos_token_id=out[1][4])[0]
-assert len(eos_run) <= 60 and (eos_run[-1] == out[1][4] or len(eos_run) == 60), "stop after EOS (kept)"
+with substituted(globals(), sample=course_sample):
+    out = texts(flat, ps, seeded, 30)
+    assert [len(o) for o in out] == [30, 30, 30], f"30 new tokens per prompt, got {[len(o) for o in out]}"
+    assert out[0] == out[2], "two requests with the same seed must give the same tokens, even in one batch"
+    assert out[0] != out[1], "different seeds must give different tokens"
+    assert len(set(out[0])) > 10, "the generator must be created once and keep advancing (30 uniform draws from 64 tokens)"
+    alone = texts(flat, [[5, 6]], [SamplingParams(seed=21)], 30)[0]
+    assert alone == out[2], "a seeded request's tokens must not depend on the batch"
+    shuffled = texts(flat, [ps[2], [9, 9, 9, 9], ps[0]], [seeded[2], SamplingParams(), seeded[0]], 30)
+    assert shuffled[0] == out[2] and shuffled[2] == out[0], "nor on its position in the batch"
+    torch.manual_seed(5)
+    u1 = texts(flat, ps, [SamplingParams()] * 3, 10)
+    torch.manual_seed(5)
+    assert texts(flat, ps, [SamplingParams()] * 3, 10) == u1, "requests without a seed use torch's global generator"
+    eos_run = texts(flat, [[1]], [SamplingParams(seed=3)], 60, eos=out[1][4])[0]
+    assert len(eos_run) <= 60 and (eos_run[-1] == out[1][4] or len(eos_run) == 60), "stop after EOS (kept)"
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -810,7 +873,7 @@ def beam_search(model, prompt: list[int], num_beams: int, max_new_tokens: int, l
     if num_beams < 1 or max_new_tokens < 1 or not prompt:
         raise ValueError("need a non-empty prompt, num_beams >= 1 and max_new_tokens >= 1")
     d, K, T = model.device, num_beams, len(prompt)
-    cache = SlotKVCache(model.cfg, n_slots=K, max_len=T + max_new_tokens, device=d)
+    cache = SlotKVCache(model.cfg, n_slots=K, max_len=T + max_new_tokens, dtype=model.dtype, device=d)
     ### BEGIN SOLUTION
     logits = forward_cached(model, torch.tensor([prompt], device=d), torch.arange(T, device=d)[None],
                             cache, torch.tensor([0], device=d))[:, -1]     # (1, V): the prompt, in slot 0
@@ -857,17 +920,23 @@ code(r"""
 beam_cases = env.pick([("The quick brown fox jumps over the", 4, 20, 1.0), ("My trip to Yosemite was", 3, 16, 2.0),
                        ("def fibonacci(n):", 5, 12, -1.0), ("The capital of France is", 2, 24, 0.5)],
                       [("def fibonacci(n):", 2, 8, -1.0)])
-for text, K, n, lp in beam_cases:
+for text, K, n, lp in beam_cases:                     # both in float32: bf16 may round a near-tie another way
     p = tokenizer(text).input_ids
-    ours, theirs = beam_search(model, p, K, n, lp, eos_token_id=EOS), hf_beam(p, K, n, lp)
+    ours, theirs = beam_search(model_fp32, p, K, n, lp, eos_token_id=EOS), hf_beam(p, K, n, lp)
     print(f"num_beams={K}, length_penalty={lp:4}: equal to HF: {ours == theirs}  {tokenizer.decode(ours)!r}")
 """),
 tests("beam_search_tests", 4, r"""
+from course.expect import expect_ints
+
+def beams(m, prompt, *args, **kwargs):
+    '''Your beam_search, its answer checked first: a list of int token ids.'''
+    return expect_ints(beam_search(m, prompt, *args, **kwargs), "beam_search(...)")
+
+# In float32 (model_fp32), like the Hugging Face model: token for token, a near-tie must round the same way.
 p = tokenizer("The quick brown fox jumps over the").input_ids
-ours = beam_search(model, p, num_beams=3, max_new_tokens=10, length_penalty=1.0, eos_token_id=EOS)
-assert isinstance(ours, list) and all(isinstance(t, int) for t in ours), "return a list of ints"
+ours = beams(model_fp32, p, num_beams=3, max_new_tokens=10, length_penalty=1.0, eos_token_id=EOS)
 assert ours == hf_beam(p, 3, 10, 1.0), f"differs from HF generate: {tokenizer.decode(ours)!r} vs {tokenizer.decode(hf_beam(p, 3, 10, 1.0))!r}"
-assert beam_search(model, p, num_beams=1, max_new_tokens=6, eos_token_id=EOS) == generate(model, [p], 6, greedy_pick)[0], \
+assert beams(model_fp32, p, num_beams=1, max_new_tokens=6, eos_token_id=EOS) == generate(model_fp32, [p], 6, greedy_pick)[0], \
     "one beam is greedy decoding"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_TINY + r"""
@@ -876,21 +945,22 @@ for seed in range(4):
     hf_tiny, ours_tiny = _tiny_pair(seed)
     g = torch.Generator().manual_seed(seed)
     for trial in range(3):
-        prompt = torch.randint(0, 48, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        prompt = torch.randint(0, 48, (torch.randint(1, 6, (1,), generator=g).item(),), generator=g).tolist()
         with torch.no_grad():
-            path = hf_tiny.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
-        eos = path[int(torch.randint(0, 8, (1,), generator=g))]          # a token the model does emit
+            path = hf_tiny.generate(torch.tensor([prompt], device=dev), do_sample=False, max_new_tokens=8,
+                                    pad_token_id=0)[0, len(prompt):].tolist()
+        eos = path[torch.randint(0, 8, (1,), generator=g).item()]          # a token the model does emit
         for K, lp in ((2, 1.0), (3, 2.0), (4, -0.5), (3, 0.0)):
             with torch.no_grad():
-                out = hf_tiny.generate(torch.tensor([prompt]), num_beams=K, length_penalty=lp, do_sample=False,
+                out = hf_tiny.generate(torch.tensor([prompt], device=dev), num_beams=K, length_penalty=lp, do_sample=False,
                                        max_new_tokens=10, eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
             want = out[:out.index(eos) + 1] if eos in out else out
             n_eos += eos in want
-            got = beam_search(ours_tiny, prompt, K, 10, lp, eos_token_id=eos)
+            got = beams(ours_tiny, prompt, K, 10, lp, eos_token_id=eos)
             assert got == want, f"tiny model {seed}, prompt {prompt}, num_beams={K}, length_penalty={lp}, eos={eos}: expected {want}, got {got}"
 assert n_eos > 10, "self-check: the cases must include sequences that end with EOS"
 p = tokenizer("My trip to Yosemite was").input_ids
-assert beam_search(model, p, 2, 8, 2.0, eos_token_id=EOS) == hf_beam(p, 2, 8, 2.0), "real model, length_penalty=2"
+assert beams(model_fp32, p, 2, 8, 2.0, eos_token_id=EOS) == hf_beam(p, 2, 8, 2.0), "real model, length_penalty=2"
 ### END HIDDEN TESTS
 """),
 md(r"""

@@ -13,19 +13,19 @@ from course.models import Decoder as _Decoder
 def _tiny(seed, V=40, layers=2):
     cfg = course.ModelConfig(family="llama", vocab_size=V, n_layer=layers, n_head=4, n_kv_head=2, d_model=32,
                              d_ff=64, max_seq_len=256)
-    g = torch.Generator().manual_seed(seed)
-    m = _Decoder(cfg).eval()
+    g = torch.Generator().manual_seed(seed)                  # weights drawn on the CPU: the same on every device
+    m = _Decoder(cfg).eval().to(env.device)
     with torch.no_grad():
         for prm in m.parameters():
-            prm.copy_(torch.randn(prm.shape, generator=g) * 0.3)
+            prm.copy_(torch.randn(prm.shape, generator=g).to(prm.device) * 0.3)
     return m
 def _perturbed(m, seed, scale=0.08):
-    d = _Decoder(m.cfg).eval()
+    d = _Decoder(m.cfg).eval().to(m.device)
     d.load_state_dict(m.state_dict())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for prm in d.parameters():
-            prm.add_(torch.randn(prm.shape, generator=g) * scale)
+            prm.add_(torch.randn(prm.shape, generator=g).to(prm.device) * scale)
     return d
 @torch.no_grad()
 def _full_logits(m, seq):
@@ -55,8 +55,8 @@ HIDDEN_CHI2 = r'''
 import math as _math
 def _chi2_pvalue(counts, probs):
     # Pearson's statistic for observed counts against probabilities; P(chi2_4 >= x) = exp(-x/2) (1 + x/2)
-    counts = torch.as_tensor(counts, dtype=torch.float64)
-    probs = torch.as_tensor(probs, dtype=torch.float64)
+    counts = torch.as_tensor(counts, dtype=torch.float64)   # cpu: a float64 reference on the CPU
+    probs = torch.as_tensor(probs, dtype=torch.float64)   # cpu: a float64 reference on the CPU
     assert len(counts) == 5, "self-check: the closed form below is for 5 categories"
     expected = counts.sum() * probs
     x = float(((counts - expected) ** 2 / expected).sum())
@@ -95,6 +95,9 @@ The target is SmolLM2-135M, the model of every lab so far. The cell below loads 
 helpers from earlier labs: `probs(logits, temperature)` (lab 07's temperature, with 0 meaning greedy:
 all the probability on the top token) and `plain_generate`, greedy decoding with a KV cache
 (labs 03 and 04): one forward pass per new token. `plain_generate` is the baseline we must beat.
+On a GPU the model runs in bfloat16 (`env.dtype`); the tests that compare tokens one for one use
+`model_fp32`, a float32 copy (in bfloat16 two correct programs can round a near-tie differently).
+On a CPU both names hold the same model.
 """),
 locked("engine", r'''
 import torch
@@ -102,7 +105,10 @@ from course.engine import SlotKVCache, forward_cached
 from course.timing import benchmark   # median of several runs after a warm-up, GPU synchronized
 
 tokenizer = course.load_tokenizer()
-model = course.load_model(device=env.device)   # the target
+model = course.load_model(device=env.device, dtype=env.dtype)   # the target
+# Token-for-token checks (speculative output = the target's greedy text) run in float32: in bf16 two
+# correct programs can round a near-tie differently. On a CPU this is the same model.
+model_fp32 = model if env.dtype == torch.float32 else course.load_model(device=env.device)
 dev = env.device
 SLOT0 = torch.zeros(1, dtype=torch.long, device=dev)   # every cache in this lab holds one sequence, in slot 0
 
@@ -117,7 +123,7 @@ def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 @torch.no_grad()
 def plain_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding with a KV cache: prefill, then one forward pass per new token."""
-    cache = SlotKVCache(model.cfg, n_slots=1, max_len=len(prompt) + max_new_tokens, device=model.device)
+    cache = SlotKVCache(model.cfg, n_slots=1, max_len=len(prompt) + max_new_tokens, dtype=model.dtype, device=model.device)
     ids = torch.tensor([prompt], device=model.device)
     logits = forward_cached(model, ids, torch.arange(len(prompt), device=model.device)[None], cache, SLOT0)[0, -1]
     out = []
@@ -138,7 +144,7 @@ prompt_ids = tokenizer("The history of the printing press begins in").input_ids
 sizes = env.pick([1, 2, 4, 8, 16], [1, 4], cpu=[1, 2, 4, 8])
 cost = {}
 with torch.no_grad():
-    cache = SlotKVCache(model.cfg, n_slots=1, max_len=len(prompt_ids) + 32, device=dev)
+    cache = SlotKVCache(model.cfg, n_slots=1, max_len=len(prompt_ids) + 32, dtype=model.dtype, device=dev)
     forward_cached(model, torch.tensor([prompt_ids], device=dev), torch.arange(len(prompt_ids), device=dev)[None], cache, SLOT0)
     def one_pass(T):
         cache.lengths[0] = len(prompt_ids)                    # forget the last pass: measure the same thing again
@@ -200,21 +206,30 @@ def rollback(cache: SlotKVCache, length: int) -> None:
     ### END SOLUTION
 '''),
 tests("cache_ops_tests", 3, r"""
+from course.expect import expect_tensor
+
+def extended(m, cache, tokens):
+    '''Your extend, its answer checked first: one row of logits per token, (T, V), on the model's device.'''
+    return expect_tensor(extend(m, cache, tokens), f"extend(model, cache, {len(tokens)} tokens)", dtype=m.dtype,
+                         shape=(len(tokens), m.cfg.vocab_size), device=dev)
+
+# In float32 (model_fp32): the cached and uncached logits must agree to 1e-3.
 with torch.no_grad():
     seq = tokenizer("Speculative decoding checks many tokens at once").input_ids
-    full = model(torch.tensor([seq], device=dev), torch.arange(len(seq), device=dev)[None])[0]   # (T, V), no cache
-    c = SlotKVCache(model.cfg, n_slots=1, max_len=32, device=dev)
-    a = extend(model, c, seq[:4])
-    b = extend(model, c, seq[4:])
-assert a.shape == (4, model.cfg.vocab_size), f"extend returns one row of logits per token: expected (4, V), got {tuple(a.shape)}"
+    full = model_fp32(torch.tensor([seq], device=dev), torch.arange(len(seq), device=dev)[None])[0]   # (T, V), no cache
+    c = SlotKVCache(model_fp32.cfg, n_slots=1, max_len=32, device=dev)
+    a = extended(model_fp32, c, seq[:4])
+    b = extended(model_fp32, c, seq[4:])
 assert int(c.lengths[0]) == len(seq), "after two extends the slot holds every token"
+assert torch.allclose(a, full[:4], atol=1e-3), "the first extend runs the tokens at positions 0..3: logits differ from the uncached model"
 assert torch.allclose(b, full[4:], atol=1e-3), "the second extend must continue at position 4: logits differ from the uncached model"
 rollback(c, 3)
 assert int(c.lengths[0]) == 3 and c.valid[0].sum() == 3, "after rollback(cache, 3) the slot holds exactly 3 valid positions"
 with torch.no_grad():
-    again = extend(model, c, seq[3:6])
-    ref = SlotKVCache(model.cfg, n_slots=1, max_len=32, device=dev)
-    ref_logits = extend(model, ref, seq[:6])
+    again = extended(model_fp32, c, seq[3:6])
+    ref = SlotKVCache(model_fp32.cfg, n_slots=1, max_len=32, device=dev)
+    ref_logits = model_fp32(torch.tensor([seq[:6]], device=dev), torch.arange(6, device=dev)[None])[0]
+    forward_cached(model_fp32, torch.tensor([seq[:6]], device=dev), torch.arange(6, device=dev)[None], ref, SLOT0)
 assert torch.allclose(again, ref_logits[3:], atol=1e-3), "after a rollback, new tokens must see only the kept ones"
 assert torch.allclose(c.k[:, 0, :, :6], ref.k[:, 0, :, :6], atol=1e-4), "the rolled-back cache must equal one built from the kept tokens"
 for bad in (-1, 7):
@@ -229,9 +244,9 @@ for bad in (-1, 7):
 m = _tiny(1)
 seq = [3, 17, 5, 22, 9, 31, 2, 8, 14, 27, 11]
 full = _full_logits(m, seq)
-c = SlotKVCache(m.cfg, n_slots=1, max_len=64)
+c = SlotKVCache(m.cfg, n_slots=1, max_len=64, device=dev)
 with torch.no_grad():
-    out = [extend(m, c, seq[:5])] + [extend(m, c, [t]) for t in seq[5:8]] + [extend(m, c, seq[8:])]
+    out = [extended(m, c, seq[:5])] + [extended(m, c, [t]) for t in seq[5:8]] + [extended(m, c, seq[8:])]
 assert torch.allclose(torch.cat(out), full, atol=1e-4), "extend in pieces must match the uncached model"
 _same_cache(c, len(seq), _fresh_cache(m, seq), "after extends")
 rollback(c, len(seq))
@@ -240,7 +255,7 @@ for keep, new in ((7, [4, 4, 19]), (2, [33]), (0, [1, 2, 3]), (3, [6, 7, 8, 9, 1
     rollback(c, keep)
     _same_cache(c, keep, _fresh_cache(m, seq[:keep]), f"right after rollback(cache, {keep})")
     with torch.no_grad():
-        got = extend(m, c, new)
+        got = extended(m, c, new)
     seq = seq[:keep] + new
     assert torch.allclose(got, _full_logits(m, seq)[keep:], atol=1e-4), f"after rollback to {keep}, extend gives wrong logits"
     _same_cache(c, len(seq), _fresh_cache(m, seq), f"after rollback to {keep} and extend")
@@ -262,17 +277,18 @@ A draft must be **fast** and must **agree** with the target often. Two kinds, bo
 
 **A small model.** The online classic is a smaller model of the same family, with the same tokenizer
 (drafts are token ids, so the two must share a vocabulary): SmolLM2-135M drafting for SmolLM2-360M or
-1.7B, or distilgpt2 for gpt2. None of those can be downloaded here, so we cut a draft out of the
-target itself: its embeddings and its **first 4 of 30 blocks**, then the target's final norm and
+1.7B, or distilgpt2 for gpt2. Those come from the Hugging Face hub, and the course must work offline
+(the grading machine has no network), so we cut a draft out of the target itself: its embeddings and its **first 4 of 30 blocks**, then the target's final norm and
 LM head. Used as they are, 4 blocks agree with the full model almost never: the last blocks turn the
 hidden state into a prediction. So the course trained a small **adapter** (two matrices, 1.2 M
 parameters) that maps the hidden state after block 4 to what block 30 would predict, and restricted
 the LM head to the 8,192 most common tokens (the head over all 49,152 tokens would cost as much as
-8 blocks). `assets/draft/train_draft.py` did the training, on the target's own text (it printed its
+8 blocks). `assets/draft/train_draft.py` did the training (its weights ship in the course package), on the target's own text (it printed its
 time and held-out agreement; both are in the file's metadata, shown below). The draft **shares** the
 target's blocks and embeddings; its own memory is the adapter and a copy of 8,192 rows of the head.
 
-The next cell builds that draft, and also the plain early exit (4 blocks, no adapter), for comparison.
+The next cell builds that draft, and also the plain early exit (4 blocks, no adapter), for comparison
+(and `draft_fp32`, the same draft cut out of `model_fp32`, for the tests).
 """),
 locked("draft_model", r'''
 import dataclasses
@@ -312,14 +328,6 @@ class SubsetHead(nn.Module):
         return out.index_copy_(-1, self.vocab, small)
 
 
-def find_asset(*parts: str) -> Path | None:
-    """assets/<parts> of the course checkout, searched upward from here (None when not found)."""
-    for root in (Path.cwd(), *Path.cwd().parents):
-        if (root / "assets" / Path(*parts)).is_file():
-            return root / "assets" / Path(*parts)
-    return None
-
-
 def make_draft(target, n_layers: int = 4, weights: Path | None = None):
     """A Decoder that runs the target's first n_layers blocks (shared weights); with `weights`, the
     trained adapter and subset head of train_draft.py, else the target's own norm and head (early exit)."""
@@ -339,13 +347,19 @@ def make_draft(target, n_layers: int = 4, weights: Path | None = None):
         if unexpected or any(not k.startswith("final_norm.") for k in missing):   # final_norm is the target's own
             raise ValueError(f"{weights} does not hold this adapter: missing {missing}, unexpected {unexpected}")
         draft.lm_head = SubsetHead(target.lm_head, sd["vocab"])
-    return draft.to(target.device).eval()
+    return draft.to(device=target.device, dtype=target.dtype).eval()   # the adapter in the target's dtype
 
 
-DRAFT_WEIGHTS = find_asset("draft", "draft.safetensors")
+from course.assets import asset
+
+try:
+    DRAFT_WEIGHTS = asset("draft.safetensors")          # shipped inside the course package
+except FileNotFoundError as e:
+    DRAFT_WEIGHTS = None
+    print(f"{e}: the draft is the plain early exit, and the acceptance rates below are the early exit's (a few %), "
+          "not the trained draft's that the text describes")
 early_exit = make_draft(model, 4)
 if DRAFT_WEIGHTS is None:
-    print("assets/draft/draft.safetensors not found: the draft is the plain early exit (expect few acceptances)")
     draft, draft_name = early_exit, "early exit"
 else:
     from safetensors import safe_open
@@ -356,6 +370,8 @@ else:
           f"trained in {draft_info['seconds']['train']:.0f} s on {draft_info['train_tokens']} tokens "
           f"(data {draft_info['seconds']['generate'] + draft_info['seconds']['teacher']:.0f} s); held-out agreement "
           f"with the target {draft_info['agreement_trained']:.0%} (early exit: {draft_info['agreement_early_exit']:.0%})")
+# The tests' float32 draft, cut out of model_fp32 (on a CPU: the same draft).
+draft_fp32 = draft if model_fp32 is model else make_draft(model_fp32, draft.cfg.n_layer, DRAFT_WEIGHTS)
 '''),
 md(r"""
 The draft proposes tokens the way `plain_generate` does, one pass per token, with its own KV cache.
@@ -377,6 +393,8 @@ and returns `(tokens, q)`: `gamma` new token ids (a list) and their distribution
 `torch.multinomial(q[i].cpu(), 1, generator=generator)` (the generator lives on the CPU). Each token is fed back (`extend`) so the next one
 sees it, except the last, which no one needs yet: the cache ends holding `len(seq) + gamma - 1`
 positions. Raise `ValueError` if `gamma < 1` or the cache does not hold fewer tokens than `seq`.
+(The tests run it with the course's `extend` and `rollback`, from `course.engine.speculative`, so a
+mistake in Problem 1 costs only Problem 1's points.)
 """),
 solution("propose", r'''
 @torch.no_grad()
@@ -402,68 +420,80 @@ def propose(draft, cache: SlotKVCache, seq: list[int], gamma: int, temperature: 
     ### END SOLUTION
 '''),
 tests("propose_tests", 3, r"""
-seq = tokenizer("The capital of France is Paris. The capital of Italy is").input_ids
-dc = SlotKVCache(draft.cfg, n_slots=1, max_len=64, device=dev)
-tokens, q = propose(draft, dc, seq, 4)
-assert isinstance(tokens, list) and len(tokens) == 4, f"expected a list of 4 token ids, got {tokens!r}"
-assert q.shape == (4, model.cfg.vocab_size), f"q has one row per drafted token: expected (4, V), got {tuple(q.shape)}"
-with torch.no_grad():
-    want, s = [], list(seq)
-    for _ in range(4):                                   # the draft without a cache, one token at a time
-        want.append(int(draft(torch.tensor([s], device=dev), torch.arange(len(s), device=dev)[None])[0, -1].argmax()))
-        s.append(want[-1])
-assert tokens == want, f"greedy drafts must be the draft's argmax tokens {want}, got {tokens}"
-assert torch.equal(q.argmax(-1).cpu(), torch.tensor(want)) and torch.allclose(q.sum(-1), torch.ones(4, device=q.device)), \
-    "at temperature 0 each row of q is one-hot on its token"
-assert int(dc.lengths[0]) == len(seq) + 3, f"the cache ends with len(seq) + gamma - 1 = {len(seq) + 3} positions, got {int(dc.lengths[0])}"
-rollback(dc, len(seq) + 1)                             # as after a step that kept the first draft
-again, _ = propose(draft, dc, seq + [tokens[0], 13], 2)
-assert int(dc.lengths[0]) == len(seq) + 3, "propose must first feed the tokens the cache lacks (here 1), then its drafts"
+from course.engine import speculative as course_spec
+from course.expect import expect_ints, expect_tensor, expect_tuple, substituted
+
+def proposed(m, cache, seq, gamma, temperature=0.0, generator=None):
+    '''Your propose, its answer checked first: (gamma token ids, q (gamma, V) float32 on the model's device).'''
+    tokens, q = expect_tuple(propose(m, cache, seq, gamma, temperature, generator), "propose(...)", 2)
+    tokens = expect_ints(tokens, "the drafted tokens (propose(...)[0])", length=gamma)
+    q = expect_tensor(q, "q (propose(...)[1])", dtype=torch.float32, shape=(gamma, m.cfg.vocab_size), device=dev)
+    return tokens, q
+
+# Graded on its own: here propose runs on the course's extend and rollback (Problem 1, released in
+# course.engine.speculative), so a mistake in Problem 1 costs only Problem 1's points. In float32
+# (draft_fp32): greedy drafts must equal the draft's own argmax, token for token.
+with substituted(globals(), extend=course_spec.extend, rollback=course_spec.rollback):
+    seq = tokenizer("The capital of France is Paris. The capital of Italy is").input_ids
+    dc = SlotKVCache(draft_fp32.cfg, n_slots=1, max_len=64, device=dev)
+    tokens, q = proposed(draft_fp32, dc, seq, 4)
+    with torch.no_grad():
+        want, s = [], list(seq)
+        for _ in range(4):                                   # the draft without a cache, one token at a time
+            want.append(int(draft_fp32(torch.tensor([s], device=dev), torch.arange(len(s), device=dev)[None])[0, -1].argmax()))
+            s.append(want[-1])
+    assert tokens == want, f"greedy drafts must be the draft's argmax tokens {want}, got {tokens}"
+    assert q.argmax(-1).tolist() == want and torch.allclose(q.sum(-1), torch.ones(4, device=dev)), \
+        "at temperature 0 each row of q is one-hot on its token"
+    assert int(dc.lengths[0]) == len(seq) + 3, f"the cache ends with len(seq) + gamma - 1 = {len(seq) + 3} positions, got {int(dc.lengths[0])}"
+    rollback(dc, len(seq) + 1)                             # as after a step that kept the first draft
+    proposed(draft_fp32, dc, seq + [tokens[0], 13], 2)
+    assert int(dc.lengths[0]) == len(seq) + 3, "propose must first feed the tokens the cache lacks (here 1), then its drafts"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_TINY + r"""
-m = _tiny(2)
-seq = [5, 9, 1, 30, 12]
-for temperature, seed in ((0.0, None), (1.0, 3), (0.6, 4)):
-    c = SlotKVCache(m.cfg, n_slots=1, max_len=64)
-    g = torch.Generator().manual_seed(seed) if seed is not None else None
-    toks, q = propose(m, c, seq, 5, temperature, g)
-    assert len(toks) == 5 and q.shape == (5, 40), f"temperature {temperature}: expected 5 tokens and q (5, 40)"
-    for i in range(5):
-        ref = probs(_full_logits(m, seq + toks[:i])[-1], temperature)
-        assert torch.allclose(q[i].cpu(), ref.cpu(), atol=1e-4), f"temperature {temperature}: q[{i}] must be the draft's distribution after seq + tokens[:{i}]"
-        assert q[i, toks[i]] > 0, "a drafted token must have probability > 0 under its q row"
-    _same_cache(c, len(seq) + 4, _fresh_cache(m, seq + toks[:4]), f"temperature {temperature}: after propose")
-    if seed is not None:
-        g2 = torch.Generator().manual_seed(seed)
-        toks2, _ = propose(m, SlotKVCache(m.cfg, n_slots=1, max_len=64), seq, 5, temperature, g2)
-        assert toks2 == toks, "the same generator seed must give the same drafts: draw with the generator passed in"
-# sampled drafts vary: 60 one-token proposals from a flat row (temperature 5)
-m2 = _tiny(3)
-c = SlotKVCache(m2.cfg, n_slots=1, max_len=8)
-g = torch.Generator().manual_seed(0)
-seen = set()
-for _ in range(60):
-    rollback(c, 0)
-    t, _ = propose(m2, c, [1, 2], 1, 5.0, g)
-    seen.add(t[0])
-assert len(seen) > 5, "at temperature 5 the drafts must vary: draw them, do not take the argmax"
-c = SlotKVCache(m.cfg, n_slots=1, max_len=64)
-toks, _ = propose(m, c, seq, 1)
-assert int(c.lengths[0]) == len(seq), "gamma = 1: the single guess is not fed back"
-for bad in (0, -1):
+with substituted(globals(), extend=course_spec.extend, rollback=course_spec.rollback):
+    m = _tiny(2)
+    seq = [5, 9, 1, 30, 12]
+    for temperature, seed in ((0.0, None), (1.0, 3), (0.6, 4)):
+        c = SlotKVCache(m.cfg, n_slots=1, max_len=64, device=dev)
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        toks, q = proposed(m, c, seq, 5, temperature, g)
+        for i in range(5):
+            ref = probs(_full_logits(m, seq + toks[:i])[-1], temperature)
+            assert torch.allclose(q[i].cpu(), ref.cpu(), atol=1e-4), f"temperature {temperature}: q[{i}] must be the draft's distribution after seq + tokens[:{i}]"
+            assert q[i, toks[i]] > 0, "a drafted token must have probability > 0 under its q row"
+        _same_cache(c, len(seq) + 4, _fresh_cache(m, seq + toks[:4]), f"temperature {temperature}: after propose")
+        if seed is not None:
+            g2 = torch.Generator().manual_seed(seed)
+            toks2, _ = proposed(m, SlotKVCache(m.cfg, n_slots=1, max_len=64, device=dev), seq, 5, temperature, g2)
+            assert toks2 == toks, "the same generator seed must give the same drafts: draw with the generator passed in"
+    # sampled drafts vary: 60 one-token proposals from a flat row (temperature 5)
+    m2 = _tiny(3)
+    c = SlotKVCache(m2.cfg, n_slots=1, max_len=8, device=dev)
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(60):
+        rollback(c, 0)
+        t, _ = proposed(m2, c, [1, 2], 1, 5.0, g)
+        seen.add(t[0])
+    assert len(seen) > 5, "at temperature 5 the drafts must vary: draw them, do not take the argmax"
+    c = SlotKVCache(m.cfg, n_slots=1, max_len=64, device=dev)
+    toks, _ = proposed(m, c, seq, 1)
+    assert int(c.lengths[0]) == len(seq), "gamma = 1: the single guess is not fed back"
+    for bad in (0, -1):
+        try:
+            propose(m, SlotKVCache(m.cfg, n_slots=1, max_len=64, device=dev), seq, bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"gamma={bad} must raise ValueError")
+    full_c = _fresh_cache(m, seq)
     try:
-        propose(m, SlotKVCache(m.cfg, n_slots=1, max_len=64), seq, bad)
+        propose(m, full_c, seq, 2)
     except ValueError:
         pass
     else:
-        raise AssertionError(f"gamma={bad} must raise ValueError")
-full_c = _fresh_cache(m, seq)
-try:
-    propose(m, full_c, seq, 2)
-except ValueError:
-    pass
-else:
-    raise AssertionError("a cache that already holds all of seq must raise ValueError (nothing to read the next token from)")
+        raise AssertionError("a cache that already holds all of seq must raise ValueError (nothing to read the next token from)")
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -493,22 +523,28 @@ def ngram_propose(seq: list[int], gamma: int, max_n: int = 3) -> list[int]:
     ### END SOLUTION
 '''),
 tests("ngram_tests", 2, r"""
-assert ngram_propose([1, 2, 3, 4, 1, 2], 2) == [3, 4], "the last tokens (1, 2) occurred at the start, followed by 3, 4"
-assert ngram_propose([1, 2, 3, 9, 2, 3, 7, 2, 3], 3) == [7, 2, 3], "use the most recent earlier occurrence of (2, 3)"
-assert ngram_propose([5, 6, 7], 4) == [], "nothing repeats: no proposal"
-assert ngram_propose([1, 2, 3, 4, 9, 3, 4], 5, max_n=3) == [9, 3, 4], "at most what follows the match, up to the end of seq"
+from course.expect import expect_ints
+
+def looked_up(seq, gamma, **kwargs):
+    '''Your ngram_propose, its answer checked first: a list of int token ids.'''
+    return expect_ints(ngram_propose(seq, gamma, **kwargs), f"ngram_propose({seq}, {gamma})")
+
+assert looked_up([1, 2, 3, 4, 1, 2], 2) == [3, 4], "the last tokens (1, 2) occurred at the start, followed by 3, 4"
+assert looked_up([1, 2, 3, 9, 2, 3, 7, 2, 3], 3) == [7, 2, 3], "use the most recent earlier occurrence of (2, 3)"
+assert looked_up([5, 6, 7], 4) == [], "nothing repeats: no proposal"
+assert looked_up([1, 2, 3, 4, 9, 3, 4], 5, max_n=3) == [9, 3, 4], "at most what follows the match, up to the end of seq"
 ### BEGIN HIDDEN TESTS
-assert ngram_propose([8, 1, 2, 3, 5, 7, 2, 3, 6, 4, 1, 2, 3], 2) == [5, 7], \
+assert looked_up([8, 1, 2, 3, 5, 7, 2, 3, 6, 4, 1, 2, 3], 2) == [5, 7], \
     "the longest n first: (1, 2, 3) matches at index 1, though (2, 3) matches more recently"
-assert ngram_propose([8, 1, 2, 3, 5, 7, 2, 3, 6, 4, 1, 2, 3], 2, max_n=2) == [6, 4], "max_n=2: the latest (2, 3)"
-assert ngram_propose([4, 4, 4, 4], 3) == [4], "the match may overlap the suffix; it must be followed by at least one token"
-assert ngram_propose([3, 9, 9, 5, 3], 2) == [9, 9], "fall back to n=1 when no longer n-gram repeats"
-assert ngram_propose([7], 3) == [] and ngram_propose([], 3) == [], "too short to match"
-assert ngram_propose([1, 2, 1, 2, 1, 2], 10, max_n=2) == [1, 2], "latest occurrence of (1, 2) is at index 2: followed by 1, 2"
-assert ngram_propose([1, 2, 3, 1, 2, 3, 1], 1) == [2], "gamma limits the proposal"
-assert ngram_propose([6, 2, 6], 3, max_n=1) == [2, 6], "n=1: the 6 at index 0 is followed by 2, 6"
+assert looked_up([8, 1, 2, 3, 5, 7, 2, 3, 6, 4, 1, 2, 3], 2, max_n=2) == [6, 4], "max_n=2: the latest (2, 3)"
+assert looked_up([4, 4, 4, 4], 3) == [4], "the match may overlap the suffix; it must be followed by at least one token"
+assert looked_up([3, 9, 9, 5, 3], 2) == [9, 9], "fall back to n=1 when no longer n-gram repeats"
+assert looked_up([7], 3) == [] and looked_up([], 3) == [], "too short to match"
+assert looked_up([1, 2, 1, 2, 1, 2], 10, max_n=2) == [1, 2], "latest occurrence of (1, 2) is at index 2: followed by 1, 2"
+assert looked_up([1, 2, 3, 1, 2, 3, 1], 1) == [2], "gamma limits the proposal"
+assert looked_up([6, 2, 6], 3, max_n=1) == [2, 6], "n=1: the 6 at index 0 is followed by 2, 6"
 seq = [11, 12, 13, 14, 15, 16, 11, 12, 13, 99]
-assert ngram_propose(seq, 3) == [], "99 never occurred before: no n-gram ending with it"
+assert looked_up(seq, 3) == [], "99 never occurred before: no n-gram ending with it"
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -516,7 +552,8 @@ Both drafters get the same interface, so the loop does not care which one it has
 gamma, temperature, generator)` returns `(tokens, q)`, and `keep(n)` tells the drafter that only the
 first `n` tokens of the text are still valid (a model drafter rolls its cache back to at most `n`
 positions; prompt lookup has nothing to forget). Prompt lookup is certain of its guesses: its `q`
-rows are one-hot. It may also propose fewer than `gamma` tokens, or none.
+rows are one-hot. It may also propose fewer than `gamma` tokens, or none. (The tests run it on the course's answers to Problems 1-5, from
+`course.engine.speculative`: your step is graded on its own.)
 """),
 locked("drafters", r'''
 class ModelDrafter:
@@ -526,7 +563,7 @@ class ModelDrafter:
         self.model, self.name, self.cache = draft_model, name, None
 
     def start(self, max_len: int) -> None:
-        self.cache = SlotKVCache(self.model.cfg, n_slots=1, max_len=max_len, device=self.model.device)
+        self.cache = SlotKVCache(self.model.cfg, n_slots=1, max_len=max_len, dtype=self.model.dtype, device=self.model.device)
 
     def propose(self, seq, gamma, temperature=0.0, generator=None):
         return propose(self.model, self.cache, seq, gamma, temperature, generator)
@@ -546,8 +583,7 @@ class NgramDrafter:
 
     def propose(self, seq, gamma, temperature=0.0, generator=None):
         tokens = ngram_propose(seq, gamma, self.max_n)
-        q = torch.zeros(len(tokens), self.V)
-        q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0   # certain: one-hot rows
+        q = F.one_hot(torch.tensor(tokens, dtype=torch.long), self.V).float()   # cpu: certain, one-hot rows; read on the CPU
         return tokens, q
 
     def keep(self, n: int) -> None:
@@ -586,23 +622,31 @@ def verify_greedy(logits: torch.Tensor, drafted: list[int]) -> tuple[int, int]:
     ### END SOLUTION
 '''),
 tests("verify_greedy_tests", 2, r"""
-rows = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 2.0], [4.0, 0.0, 0.0]])   # argmax 1, 0, 2, 0
-assert verify_greedy(rows, [1, 0, 2]) == (3, 0), "all three drafts match: keep them and take the bonus token from the last row"
-assert verify_greedy(rows, [1, 2, 2]) == (1, 0), "the second draft (2) differs from the target's 0: keep 1 draft, then the target's 0"
-assert verify_greedy(rows[:1], []) == (0, 1), "no drafts: the target's own next token, as in plain decoding"
+from course.expect import expect_int, expect_tuple
+
+def checked(rows, drafted):
+    '''Your verify_greedy, its answer checked first: (n, token), two ints.'''
+    n, token = expect_tuple(verify_greedy(rows, drafted), f"verify_greedy(rows, {drafted})", 2)
+    return (expect_int(n, "n (drafts accepted)", min=0, max=len(drafted)),
+            expect_int(token, "token (the target's own)", min=0, max=rows.shape[1] - 1))
+
+rows = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 2.0], [4.0, 0.0, 0.0]], device=dev)   # argmax 1, 0, 2, 0
+assert checked(rows, [1, 0, 2]) == (3, 0), "all three drafts match: keep them and take the bonus token from the last row"
+assert checked(rows, [1, 2, 2]) == (1, 0), "the second draft (2) differs from the target's 0: keep 1 draft, then the target's 0"
+assert checked(rows[:1], []) == (0, 1), "no drafts: the target's own next token, as in plain decoding"
 ### BEGIN HIDDEN TESTS
-assert verify_greedy(rows, [2, 0, 2]) == (0, 1), "the first draft is wrong: nothing kept, the target's 1 replaces it"
-assert verify_greedy(rows, [1, 0, 1]) == (2, 2), "the last draft is wrong: keep 2, correct the third"
-assert verify_greedy(rows[:2], [1]) == (1, 0), "one draft accepted: the bonus comes from row 1"
-assert verify_greedy(rows, [1, 1, 2]) == (1, 0), "a draft after a rejection is discarded even if it would match its row"
-g = torch.Generator().manual_seed(5)
+assert checked(rows, [2, 0, 2]) == (0, 1), "the first draft is wrong: nothing kept, the target's 1 replaces it"
+assert checked(rows, [1, 0, 1]) == (2, 2), "the last draft is wrong: keep 2, correct the third"
+assert checked(rows[:2], [1]) == (1, 0), "one draft accepted: the bonus comes from row 1"
+assert checked(rows, [1, 1, 2]) == (1, 0), "a draft after a rejection is discarded even if it would match its row"
+g = torch.Generator().manual_seed(5)                         # test data drawn on the CPU: the same numbers on every device
 for trial in range(30):
     k = trial % 5
-    z = torch.randn(k + 1, 12, generator=g)
+    z = torch.randn(k + 1, 12, generator=g).to(dev)
     best = z.argmax(-1).tolist()
-    cut = int(torch.randint(0, k + 1, (1,), generator=g))
+    cut = torch.randint(0, k + 1, (1,), generator=g).item()
     d = best[:cut] + [(b + 1) % 12 for b in best[cut:k]]
-    assert verify_greedy(z, d) == (cut, best[cut]), f"trial {trial}: expected ({cut}, {best[cut]})"
+    assert checked(z, d) == (cut, best[cut]), f"trial {trial}: expected ({cut}, {best[cut]})"
 for bad_rows, d in ((rows, [1, 0]), (rows[:2], [1, 0, 2])):
     try:
         verify_greedy(bad_rows, d)
@@ -659,70 +703,79 @@ def verify_sample(p: torch.Tensor, q: torch.Tensor, drafted: list[int],
     ### END SOLUTION
 '''),
 tests("verify_sample_tests", 4, r"""
-p1 = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.10], [0.2, 0.2, 0.2, 0.2, 0.2]])
-q1 = torch.tensor([[0.10, 0.15, 0.25, 0.40, 0.10]])
-n, t = verify_sample(p1, q1, [3], torch.Generator().manual_seed(0))
-assert isinstance(n, int) and isinstance(t, int) and n in (0, 1) and 0 <= t < 5, f"expected (n, token) ints, got {(n, t)!r}"
-assert verify_sample(p1[1:].repeat(3, 1), p1[1:].repeat(2, 1), [0, 4])[0] == 2, "when q equals p every draft is accepted"
-assert verify_sample(torch.tensor([[0.0, 1.0], [0.5, 0.5]]), torch.tensor([[1.0, 0.0]]), [0]) == (0, 1), \
-    "p(x) = 0: the draft x is always rejected, and the residual puts all its mass on token 1"
+import math
+from course.expect import expect_int, expect_tuple
+
+def checked(p, q, drafted, generator=None):
+    '''Your verify_sample, its answer checked first: (n, token), two ints.'''
+    n, token = expect_tuple(verify_sample(p, q, drafted, generator), f"verify_sample(p, q, {drafted})", 2)
+    return (expect_int(n, "n (drafts accepted)", min=0, max=len(drafted)),
+            expect_int(token, "the next token", min=0, max=p.shape[1] - 1))
+
+# verify_sample takes its probabilities on the CPU, where its generator lives.
+p1 = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.10], [0.2, 0.2, 0.2, 0.2, 0.2]])   # cpu: verify_sample reads p, q on the CPU
+q1 = torch.tensor([[0.10, 0.15, 0.25, 0.40, 0.10]])   # cpu: verify_sample reads p, q on the CPU
+checked(p1, q1, [3], torch.Generator().manual_seed(0))
+assert checked(p1[1:].repeat(3, 1), p1[1:].repeat(2, 1), [0, 4])[0] == 2, "when q equals p every draft is accepted"
+p0, q0 = torch.tensor([[0.0, 1.0], [0.5, 0.5]]), torch.tensor([[1.0, 0.0]])   # cpu: verify_sample reads p, q on the CPU
+assert checked(p0, q0, [0]) == (0, 1), "p(x) = 0: the draft x is always rejected, and the residual puts all its mass on token 1"
 # The first token of a step must follow p[0] whatever q is. A chi-square test on 3,500 steps whose
 # drafts are drawn from q, with fixed seeds. For a correct answer and a fresh seed, Pearson's statistic
 # (5 categories, 4 degrees of freedom; every expected count >= 350, so the chi-square law applies)
 # exceeds the threshold with probability P(chi2_4 >= x) = exp(-x/2) (1 + x/2) < 1e-7: the test
 # fails a correct answer less than once in ten million runs.
 g = torch.Generator().manual_seed(1)
-first = torch.zeros(5)
+first = [0] * 5
 for x in torch.multinomial(q1[0], 3500, replacement=True, generator=g).tolist():   # the drafts, drawn from q
-    n, t = verify_sample(p1, q1, [x], g)
+    n, t = checked(p1, q1, [x], g)
     first[x if n == 1 else t] += 1
-expected = 3500 * p1[0]
-stat = float(((first - expected) ** 2 / expected).sum())
-pvalue = torch.exp(torch.tensor(-stat / 2)) * (1 + stat / 2)
-assert pvalue > 1e-7, f"the first token's frequencies {(first / 3500).tolist()} do not follow p = {p1[0].tolist()} (chi-square {stat:.0f})"
+expected = [3500 * v for v in p1[0].tolist()]
+stat = sum((o - e) ** 2 / e for o, e in zip(first, expected))
+pvalue = math.exp(-stat / 2) * (1 + stat / 2)
+assert pvalue > 1e-7, f"the first token's frequencies {[f / 3500 for f in first]} do not follow p = {p1[0].tolist()} (chi-square {stat:.0f})"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_CHI2 + r"""
 # Each chi-square check below fails a correct answer with probability < 1e-7 (see the visible test);
 # there are 6 of them in this cell, so by the union bound a false failure has probability < 6e-7.
 # Every expected count is >= 350 (N * min p), where the chi-square approximation is accurate.
-P = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.10], [0.10, 0.10, 0.20, 0.25, 0.35], [0.15, 0.35, 0.15, 0.20, 0.15]])
-Q = torch.tensor([[0.10, 0.15, 0.25, 0.40, 0.10], [0.30, 0.05, 0.30, 0.05, 0.30]])
+P = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.10], [0.10, 0.10, 0.20, 0.25, 0.35], [0.15, 0.35, 0.15, 0.20, 0.15]])  # cpu: p on the CPU
+Q = torch.tensor([[0.10, 0.15, 0.25, 0.40, 0.10], [0.30, 0.05, 0.30, 0.05, 0.30]])  # cpu: q on the CPU
 def _run(P, Q, N, seed):
     g = torch.Generator().manual_seed(seed)
-    pos = [torch.zeros(5) for _ in range(P.shape[0])]
+    pos = [[0] * 5 for _ in range(P.shape[0])]
     kinds = {"bonus": 0, "rejected": 0}
     drafts = torch.stack([torch.multinomial(Q[i], N, replacement=True, generator=g) for i in range(Q.shape[0])], 1)
     for d in drafts.tolist():                                     # each row: the g drafts of one step, drawn from q
-        n, t = verify_sample(P, Q, d, g)
-        assert isinstance(n, int) and 0 <= n <= len(d), f"n must be an int in 0..{len(d)}, got {n!r}"
-        assert isinstance(t, int) and 0 <= t < 5, f"the next token must be an int token id, got {t!r}"
+        n, t = checked(P, Q, d, g)
         out = d[:n] + [t]
         for i, tok in enumerate(out):
             pos[i][tok] += 1
         kinds["bonus" if n == len(d) else "rejected"] += 1
     return pos, kinds
+def _share(counts):
+    return [round(c / sum(counts), 3) for c in counts]
 pos, kinds = _run(P, Q, 6000, 11)
 assert kinds["bonus"] > 0, "when every draft is accepted, a bonus token must follow"
-assert _chi2_pvalue(pos[0], P[0]) > 1e-7, f"token 1 of a step: frequencies {(pos[0] / pos[0].sum()).tolist()} must follow p[0] {P[0].tolist()}"
-assert _chi2_pvalue(pos[1], P[1]) > 1e-7, f"token 2 of a step: frequencies {(pos[1] / pos[1].sum()).tolist()} must follow p[1] {P[1].tolist()}"
-assert pos[2].sum() >= 2000, "self-check: enough bonus tokens for the test"
-assert _chi2_pvalue(pos[2], P[2]) > 1e-7, f"the bonus token must be drawn from the last row p[g] {P[2].tolist()}, got frequencies {(pos[2] / pos[2].sum()).tolist()}"
+assert _chi2_pvalue(pos[0], P[0]) > 1e-7, f"token 1 of a step: frequencies {_share(pos[0])} must follow p[0] {P[0].tolist()}"
+assert _chi2_pvalue(pos[1], P[1]) > 1e-7, f"token 2 of a step: frequencies {_share(pos[1])} must follow p[1] {P[1].tolist()}"
+assert sum(pos[2]) >= 2000, "self-check: enough bonus tokens for the test"
+assert _chi2_pvalue(pos[2], P[2]) > 1e-7, f"the bonus token must be drawn from the last row p[g] {P[2].tolist()}, got frequencies {_share(pos[2])}"
 # a certain draft (prompt lookup): q is one-hot; the result must still follow p
-Q1 = torch.zeros(1, 5); Q1[0, 2] = 1.0
+Q1 = F.one_hot(torch.tensor([2]), 5).float()   # cpu: a one-hot q on the CPU
 pos, _ = _run(P[:2], Q1, 3500, 12)
-assert _chi2_pvalue(pos[0], P[0]) > 1e-7, f"a one-hot draft: token 1 must still follow p[0], got {(pos[0] / pos[0].sum()).tolist()}"
-Q2 = torch.zeros(1, 5); Q2[0, 0] = 1.0
+assert _chi2_pvalue(pos[0], P[0]) > 1e-7, f"a one-hot draft: token 1 must still follow p[0], got {_share(pos[0])}"
+Q2 = F.one_hot(torch.tensor([0]), 5).float()   # cpu: a one-hot q on the CPU
 pos, _ = _run(P[1:], Q2, 3500, 13)
-assert _chi2_pvalue(pos[0], P[1]) > 1e-7, f"a one-hot draft on an unlikely token: frequencies {(pos[0] / pos[0].sum()).tolist()} must follow {P[1].tolist()}"
+assert _chi2_pvalue(pos[0], P[1]) > 1e-7, f"a one-hot draft on an unlikely token: frequencies {_share(pos[0])} must follow {P[1].tolist()}"
 # a draft that over-proposes one token
-Q3 = torch.tensor([[0.05, 0.05, 0.05, 0.05, 0.80]])
+Q3 = torch.tensor([[0.05, 0.05, 0.05, 0.05, 0.80]])   # cpu: q on the CPU
 pos, _ = _run(P[1:], Q3, 3500, 14)
-assert _chi2_pvalue(pos[0], P[1]) > 1e-7, f"a draft that over-proposes token 4: frequencies {(pos[0] / pos[0].sum()).tolist()} must follow {P[1].tolist()}"
+assert _chi2_pvalue(pos[0], P[1]) > 1e-7, f"a draft that over-proposes token 4: frequencies {_share(pos[0])} must follow {P[1].tolist()}"
 # no drafts: a plain draw from p[0], reproducible with the generator
-draws = [[verify_sample(P[:1], Q[:0], [], g) for _ in range(20)] for g in (torch.Generator().manual_seed(3), torch.Generator().manual_seed(3))]
+draws = [[checked(P[:1], Q[:0], [], g) for _ in range(20)] for g in (torch.Generator().manual_seed(3), torch.Generator().manual_seed(3))]
 assert all(n == 0 for n, _ in draws[0]), "no drafts: nothing is accepted"
 assert draws[0] == draws[1] and len({t for _, t in draws[0]}) > 1, "no drafts: one draw from p[0] per call, with the generator passed in"
-runs = [[verify_sample(P, Q, [0, 2], gg) for _ in range(50)] for gg in (torch.Generator().manual_seed(9), torch.Generator().manual_seed(9))]
+runs = [[checked(P, Q, [0, 2], gg) for _ in range(50)] for gg in (torch.Generator().manual_seed(9), torch.Generator().manual_seed(9))]
 assert runs[0] == runs[1], "the same generator seed must give the same results: draw every random number with the generator"
 for bad in ((P, Q[:1], [1, 2]), (P[:2], Q, [1, 2])):
     try:
@@ -789,7 +842,7 @@ def speculative_generate(target, drafter, prompt: list[int], max_new_tokens: int
                          temperature: float = 0.0, seed: int | None = None):
     """New tokens and the steps [(drafted, n_accepted, token), ...]: one target pass per step."""
     max_len = len(prompt) + max_new_tokens + gamma + 1
-    tcache = SlotKVCache(target.cfg, n_slots=1, max_len=max_len, device=target.device)
+    tcache = SlotKVCache(target.cfg, n_slots=1, max_len=max_len, dtype=target.dtype, device=target.device)
     drafter.start(max_len)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     seq, steps = list(prompt), []
@@ -801,88 +854,112 @@ def speculative_generate(target, drafter, prompt: list[int], max_new_tokens: int
     return seq[len(prompt):len(prompt) + max_new_tokens], steps
 '''),
 tests("speculative_step_tests", 4, r"""
-passes = []
-hook = model.blocks[-1].mlp.register_forward_hook(lambda *a: passes.append(1))   # the draft has no block 30: counts target passes
-try:
-    story = tokenizer("Once upon a time, a little robot").input_ids
-    want = plain_generate(model, story, 20)
-    for drafter in (ModelDrafter(draft), NgramDrafter(model.cfg.vocab_size)):
-        passes.clear()
-        got, steps = speculative_generate(model, drafter, story, 20, gamma=4)
-        assert got == want, f"{drafter.name}: greedy speculative decoding must give the target's greedy text.\n" \
-                            f"expected {tokenizer.decode(want)!r}\ngot      {tokenizer.decode(got)!r}"
-        assert len(passes) == len(steps), f"{drafter.name}: one target pass per step: {len(steps)} steps, {len(passes)} passes"
-        assert sum(n + 1 for _, n, _ in steps) >= 20, "each step adds its accepted drafts plus one target token"
-finally:
-    hook.remove()
+from course.engine import speculative as course_spec
+from course.expect import expect_int, expect_ints, expect_tuple, substituted
+
+# Graded on its own: here your step runs on the course's answers to Problems 1-5 (released in
+# course.engine.speculative; the drafters call them too), so an earlier mistake costs only its own points.
+course_parts = dict(extend=course_spec.extend, rollback=course_spec.rollback, propose=course_spec.propose,
+                    ngram_propose=course_spec.ngram_propose, verify_greedy=course_spec.verify_greedy,
+                    verify_sample=course_spec.verify_sample)
+
+def step_checked(step, gamma):
+    '''One step's (drafted, n, token), as your speculative_step returned it, checked first.'''
+    drafted, n, token = expect_tuple(step, "speculative_step(...)", 3)
+    drafted = expect_ints(drafted, "drafted (speculative_step(...)[0])")
+    assert len(drafted) <= gamma, f"at most gamma = {gamma} drafts per step, got {len(drafted)}"
+    return drafted, expect_int(n, "n (speculative_step(...)[1])", min=0, max=len(drafted)), expect_int(token, "token (speculative_step(...)[2])", min=0)
+
+def generated(target, drafter, prompt, n, gamma, temperature=0.0, seed=None):
+    '''The given speculative_generate around your step; its tokens and steps checked first.'''
+    out, steps = speculative_generate(target, drafter, prompt, n, gamma, temperature, seed)
+    return expect_ints(out, "the generated tokens", length=n), [step_checked(s, gamma) for s in steps]
+
+# In float32 (model_fp32, draft_fp32): greedy speculative decoding must give the target's greedy text, token for token.
+with substituted(globals(), **course_parts):
+    passes = []
+    hook = model_fp32.blocks[-1].mlp.register_forward_hook(lambda *a: passes.append(1))   # the draft has no block 30: counts target passes
+    try:
+        story = tokenizer("Once upon a time, a little robot").input_ids
+        want = plain_generate(model_fp32, story, 20)
+        for drafter in (ModelDrafter(draft_fp32), NgramDrafter(model_fp32.cfg.vocab_size)):
+            passes.clear()
+            got, steps = generated(model_fp32, drafter, story, 20, gamma=4)
+            assert got == want, f"{drafter.name}: greedy speculative decoding must give the target's greedy text.\n" \
+                                f"expected {tokenizer.decode(want)!r}\ngot      {tokenizer.decode(got)!r}"
+            assert len(passes) == len(steps), f"{drafter.name}: one target pass per step: {len(steps)} steps, {len(passes)} passes"
+            assert sum(n + 1 for _, n, _ in steps) >= 20, "each step adds its accepted drafts plus one target token"
+    finally:
+        hook.remove()
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_TINY + r"""
-tgt = _tiny(7, V=40, layers=2)
-for dseed, scale in ((8, 0.05), (9, 0.15)):
-    dm = _perturbed(tgt, dseed, scale)
-    prompt = [3, 14, 15, 9, 26]
-    ref = plain_generate(tgt, prompt, 30)                        # checked against the uncached model below
-    assert ref[:8] == [int(_full_logits(tgt, prompt + ref[:i])[-1].argmax()) for i in range(8)], "self-check"
-    ref = prompt + ref
-    for gamma in (1, 4):
-        drafter = ModelDrafter(dm)
-        tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
+with substituted(globals(), **course_parts):
+    tgt = _tiny(7, V=40, layers=2)
+    for dseed, scale in ((8, 0.05), (9, 0.15)):
+        dm = _perturbed(tgt, dseed, scale)
+        prompt = [3, 14, 15, 9, 26]
+        ref = plain_generate(tgt, prompt, 30)                        # checked against the uncached model below
+        assert ref[:8] == [int(_full_logits(tgt, prompt + ref[:i])[-1].argmax()) for i in range(8)], "self-check"
+        ref = prompt + ref
+        for gamma in (1, 4):
+            drafter = ModelDrafter(dm)
+            tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64, device=dev)
+            drafter.start(64)
+            seq, accepted = list(prompt), 0
+            while len(seq) < len(prompt) + 24:
+                before = len(seq)
+                drafted, n, tok = step_checked(speculative_step(tgt, tcache, drafter, seq, gamma), gamma)
+                accepted += n
+                assert len(drafted) == gamma, f"gamma={gamma}: the model drafter proposes gamma tokens"
+                assert len(seq) == before + n + 1, f"seq must grow by n + 1 = {n + 1} tokens, grew by {len(seq) - before}"
+                assert expect_ints(seq[before:], "the tokens the step appended to seq") == drafted[:n] + [tok], \
+                    "seq gains the accepted drafts, then the target's token"
+                assert seq == ref[:len(seq)], f"gamma={gamma}: the text departs from the target's greedy text"
+                _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), f"gamma={gamma}, target cache after a step")
+                held = int(drafter.cache.lengths[0])
+                assert held <= len(seq) - 1, f"gamma={gamma}: the draft cache still holds {held} positions; roll it back to at most len(seq) - 1 = {len(seq) - 1}"
+                _same_cache(drafter.cache, held, _fresh_cache(dm, seq[:held]), f"gamma={gamma}, draft cache after a step")
+            assert 0 < accepted, "self-check: the perturbed draft agrees some of the time"
+    # the target as its own draft: every draft is accepted and every step ends with a bonus token
+    out, steps = generated(tgt, ModelDrafter(tgt), [1, 2, 3], 20, gamma=3)
+    assert all(n == 3 for _, n, _ in steps), "a draft identical to the target must have every draft accepted"
+    assert len(steps) == 5, f"20 tokens at 4 tokens per pass (3 drafts + the bonus) take 5 target passes, took {len(steps)}"
+    assert out == plain_generate(tgt, [1, 2, 3], 20), "with the target as its own draft, the output must still be its greedy text"
+    # sampling: reproducible; with the target as its own draft, everything is accepted
+    a = generated(tgt, ModelDrafter(tgt), [1, 2, 3], 16, gamma=2, temperature=1.0, seed=4)
+    b = generated(tgt, ModelDrafter(tgt), [1, 2, 3], 16, gamma=2, temperature=1.0, seed=4)
+    assert a == b, "the same seed must give the same sampled text"
+    assert all(n == len(d) for d, n, _ in a[1]), "at temperature 1 a draft equal to the target is always accepted (p = q)"
+    dm = _perturbed(tgt, 10, 0.15)
+    for temperature in (0.7, 1.0):
+        drafter, tcache = ModelDrafter(dm), SlotKVCache(tgt.cfg, n_slots=1, max_len=64, device=dev)
         drafter.start(64)
-        seq, accepted = list(prompt), 0
-        while len(seq) < len(prompt) + 24:
-            before = len(seq)
-            drafted, n, tok = speculative_step(tgt, tcache, drafter, seq, gamma)
-            accepted += n
-            assert len(drafted) == gamma and 0 <= n <= gamma, f"gamma={gamma}: the model drafter proposes gamma tokens"
-            assert len(seq) == before + n + 1, f"seq must grow by n + 1 = {n + 1} tokens, grew by {len(seq) - before}"
-            assert seq[before:] == drafted[:n] + [tok], "seq gains the accepted drafts, then the target's token"
-            assert seq == ref[:len(seq)], f"gamma={gamma}: the text departs from the target's greedy text"
-            _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), f"gamma={gamma}, target cache after a step")
+        seq, g = [7, 8, 9], torch.Generator().manual_seed(1)
+        while len(seq) < 30:
+            step_checked(speculative_step(tgt, tcache, drafter, seq, 4, temperature, g), 4)
+            _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), f"temperature {temperature}: target cache")
             held = int(drafter.cache.lengths[0])
-            assert held <= len(seq) - 1, f"gamma={gamma}: the draft cache still holds {held} positions; roll it back to at most len(seq) - 1 = {len(seq) - 1}"
-            _same_cache(drafter.cache, held, _fresh_cache(dm, seq[:held]), f"gamma={gamma}, draft cache after a step")
-        assert 0 < accepted, "self-check: the perturbed draft agrees some of the time"
-# the target as its own draft: every draft is accepted and every step ends with a bonus token
-same = ModelDrafter(tgt)
-out, steps = speculative_generate(tgt, same, [1, 2, 3], 20, gamma=3)
-assert all(n == 3 for _, n, _ in steps), "a draft identical to the target must have every draft accepted"
-assert len(steps) == 5, f"20 tokens at 4 tokens per pass (3 drafts + the bonus) take 5 target passes, took {len(steps)}"
-assert out == plain_generate(tgt, [1, 2, 3], 20), "with the target as its own draft, the output must still be its greedy text"
-# sampling: reproducible; with the target as its own draft, everything is accepted
-a = speculative_generate(tgt, ModelDrafter(tgt), [1, 2, 3], 16, gamma=2, temperature=1.0, seed=4)
-b = speculative_generate(tgt, ModelDrafter(tgt), [1, 2, 3], 16, gamma=2, temperature=1.0, seed=4)
-assert a == b, "the same seed must give the same sampled text"
-assert all(n == len(d) for d, n, _ in a[1]), "at temperature 1 a draft equal to the target is always accepted (p = q)"
-dm = _perturbed(tgt, 10, 0.15)
-for temperature in (0.7, 1.0):
-    drafter, tcache = ModelDrafter(dm), SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
-    drafter.start(64)
-    seq, g = [7, 8, 9], torch.Generator().manual_seed(1)
-    while len(seq) < 30:
-        speculative_step(tgt, tcache, drafter, seq, 4, temperature, g)
-        _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), f"temperature {temperature}: target cache")
-        held = int(drafter.cache.lengths[0])
-        assert held <= len(seq) - 1, f"temperature {temperature}: roll the draft cache back"
-        _same_cache(drafter.cache, held, _fresh_cache(dm, seq[:held]), f"temperature {temperature}: draft cache")
-# prompt lookup: fewer than gamma drafts, or none
-looped = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-ng = NgramDrafter(40)
-tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
-seq = list(looped)
-drafted, n, tok = speculative_step(tgt, tcache, ng, seq, 6)
-assert drafted == [7, 8, 5, 6], "self-check"
-ref = list(looped)
-for _ in range(n + 1):
-    ref.append(int(_full_logits(tgt, ref)[-1].argmax()))
-assert seq == ref, "prompt lookup step: the text must follow the target's greedy choice"
-_same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), "after a prompt-lookup step")
-seq = [1, 2, 3]
-tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64)
-drafted, n, tok = speculative_step(tgt, tcache, ng, seq, 4)
-assert drafted == [] and n == 0 and seq == [1, 2, 3, int(_full_logits(tgt, [1, 2, 3])[-1].argmax())], \
-    "no drafts: the step is a plain decoding step"
-_same_cache(tcache, 3, _fresh_cache(tgt, [1, 2, 3]), "after a step without drafts")
-assert len(seq) == 4, "a step without drafts adds exactly one token"
+            assert held <= len(seq) - 1, f"temperature {temperature}: roll the draft cache back"
+            _same_cache(drafter.cache, held, _fresh_cache(dm, seq[:held]), f"temperature {temperature}: draft cache")
+    # prompt lookup: fewer than gamma drafts, or none
+    looped = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    ng = NgramDrafter(40)
+    tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64, device=dev)
+    seq = list(looped)
+    drafted, n, tok = step_checked(speculative_step(tgt, tcache, ng, seq, 6), 6)
+    assert drafted == [7, 8, 5, 6], "self-check"
+    ref = list(looped)
+    for _ in range(n + 1):
+        ref.append(int(_full_logits(tgt, ref)[-1].argmax()))
+    assert expect_ints(seq, "seq after the step") == ref, "prompt lookup step: the text must follow the target's greedy choice"
+    _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), "after a prompt-lookup step")
+    seq = [1, 2, 3]
+    tcache = SlotKVCache(tgt.cfg, n_slots=1, max_len=64, device=dev)
+    drafted, n, tok = step_checked(speculative_step(tgt, tcache, ng, seq, 4), 4)
+    assert drafted == [] and n == 0 and expect_ints(seq, "seq after the step") == [1, 2, 3, int(_full_logits(tgt, [1, 2, 3])[-1].argmax())], \
+        "no drafts: the step is a plain decoding step"
+    _same_cache(tcache, 3, _fresh_cache(tgt, [1, 2, 3]), "after a step without drafts")
+    assert len(seq) == 4, "a step without drafts adds exactly one token"
 ### END HIDDEN TESTS
 """),
 md(r"""
@@ -1012,14 +1089,15 @@ md(r"""
 Prompt lookup's one-hot $q$ is accepted only with probability $p(x)$, the target's own probability
 of the copied token: far below its greedy acceptance unless the target is sure.
 
-### Real pairs, when the hub is reachable
+### Real pairs, if you choose to download them
 
 Our draft was cut out of its target. The usual pair is two models of one family, trained apart, with
 one tokenizer: SmolLM2-135M drafting for SmolLM2-360M, or distilgpt2 (6 layers) for gpt2 (12). The
-next cell measures their greedy acceptance rate with your `speculative_generate` when the Hugging Face
-hub can be reached (Colab, most laptops). Offline, as on the grading machine, it says so and moves
-on. Compare with the 4-block draft: a separately trained small model usually agrees with its big
-sibling far more often, at a higher cost per draft token.
+next cell measures their greedy acceptance rate with your `speculative_generate`. It downloads four
+models from the Hugging Face hub (about 1.9 GB in all), so it runs only if you set `DOWNLOAD = True`
+and the hub can be reached (Colab, most laptops); offline, as on the grading machine, it says so.
+Compare with the 4-block draft: a separately trained small model usually agrees with its big sibling
+far more often, at a higher cost per draft token.
 """),
 code(r"""
 from course.models.loading import ModelUnavailableError
@@ -1027,12 +1105,16 @@ from course.models.loading import ModelUnavailableError
 def pair_acceptance(target_name: str, draft_name: str, gamma: int = 4):
     '''Greedy acceptance rate and tokens per pass of draft_name drafting for target_name, on the measure prompts.'''
     tok = course.load_tokenizer(target_name)
-    target, drafter = course.load_model(target_name, device=dev), ModelDrafter(course.load_model(draft_name, device=dev))
+    target, drafter = course.load_model(target_name, device=dev, dtype=env.dtype), ModelDrafter(course.load_model(draft_name, device=dev, dtype=env.dtype))
     steps = [s for text in measure_texts[:n_prompts]
              for s in speculative_generate(target, drafter, tok(text).input_ids, new_tokens, gamma)[1]]
     return trace_stats(steps)
 
+DOWNLOAD = False   # True: fetch SmolLM2-360M and -135M, gpt2 and distilgpt2 from the hub (about 1.9 GB)
 for big, small in (("smollm2-360m", "smollm2-135m"), ("gpt2", "distilgpt2")):      # (target, draft)
+    if not DOWNLOAD:
+        print(f"{small} drafting for {big}: not run (set DOWNLOAD = True to fetch the two models)")
+        continue
     try:
         st = pair_acceptance(big, small)
         print(f"{small} drafting for {big}, gamma 4: acceptance rate {st.acceptance_rate:.2f}, "

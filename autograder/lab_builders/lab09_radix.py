@@ -1,0 +1,553 @@
+"""Lab 09, section 5 onwards: the radix tree (Problem 5), the measurements, the summary."""
+from autograder.authoring import code, md, solution, tests
+
+CELLS = [
+md(r"""
+## 5. A radix tree: SGLang's RadixAttention
+
+The hash map finds whole blocks, one lookup each. SGLang keeps a **radix tree** instead: a tree of
+token sequences in which each edge holds a run of tokens (with the KV slot of each), and every path
+from the root spells a cached prefix. A new request walks down from the root as far as its tokens
+match; everything on the way is cached.
+
+```
+insert "the cat sat", then "the cat ran", then "the dog":
+
+root -- "the cat " --+-- "sat"            a node stores its edge: tokens and their slots
+                     +-- "ran"            inserting "the cat ran" SPLIT the edge "the cat sat"
+root -- "the " --+-- "cat " --+-- "sat"   inserting "the dog" splits "the cat " in turn
+                 |            +-- "ran"
+                 +-- "dog"
+```
+
+Three operations carry it:
+- **match**: follow the child whose edge starts with the next token; compare as many tokens as
+  match. If the match ends inside an edge, **split** the edge there, so that the matched prefix ends
+  exactly at a node (the request can then lock it).
+- **insert**: match, then hang the rest as a new leaf (splitting where it diverges). A split must
+  keep everything: the old node keeps its tail and its children, under a new node for the head.
+- **evict**: memory runs out, so remove **leaves**, least recently used first (a tree only shrinks
+  from its leaves: an inner node is a prefix that others still extend). A running request **locks**
+  its matched node: `lock_ref` goes up on it and on every ancestor, and a locked node is never evicted.
+  When a leaf goes, its parent may become a leaf, and may go next.
+
+## Problem 5: The radix tree (5 points)
+
+`Node` and the helpers are given. Each node has `key` (tuple of tokens on the edge into it), `value`
+(list of slots, one per token of `key`), `children` (first token of a child's key -> child), `parent`,
+`lock_ref` and `last_access` (a tick of the tree's clock; `self.touch(node)` sets it to a new tick).
+
+**Deliverable:** the methods of `RadixTree`:
+- `split(node, k)`: cut `node`'s edge after its first `k` tokens (`0 < k < len(node.key)`): a new node
+  takes the first `k` tokens and values and `node`'s place under its parent (same `lock_ref` and
+  `last_access`); `node` keeps the rest and becomes the new node's only child. Return the new node.
+- `match_prefix(tokens)`: `(values, node)`: the slots of the longest stored prefix of `tokens`, and the
+  node where it ends (the root when nothing matches), splitting an edge the match ends inside.
+  Touch every node on the way.
+- `insert(tokens, values)`: store `tokens` with one slot each. Returns how many leading tokens were
+  already stored: those keep their old slots (the caller frees the duplicates). Touch every node on
+  the path, the new leaf included.
+- `lock(node)` / `unlock(node)`: `lock_ref` of `node` and each ancestor (not the root) up / down by one.
+- `evict(n_tokens)`: remove unlocked leaves, least recently used first (smallest `last_access`),
+  until at least `n_tokens` slots are freed or no unlocked leaf is left. Return the freed slots.
+"""),
+solution("radix_tree", r'''
+class Node:
+    def __init__(self, key=(), value=(), parent=None):
+        self.key: tuple[int, ...] = tuple(key)     # tokens on the edge into this node
+        self.value: list[int] = list(value)       # one KV slot per token of key
+        self.children: dict[int, "Node"] = {}     # first token of the child's key -> child
+        self.parent: Node | None = parent
+        self.lock_ref = 0                         # running requests using this node (or a descendant)
+        self.last_access = 0
+
+    def __repr__(self):
+        return f"Node(key={self.key}, {len(self.children)} children, lock_ref={self.lock_ref})"
+
+
+def common_length(a, b) -> int:
+    """How many leading items a and b share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class RadixTree:
+    """Token sequences with one KV slot per token, sharing their common prefixes (SGLang's RadixCache)."""
+
+    def __init__(self):
+        self.root = Node()
+        self.clock = 0
+
+    def touch(self, node: Node) -> None:
+        self.clock += 1
+        node.last_access = self.clock
+
+    def nodes(self):
+        """Every node but the root."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def n_tokens(self) -> int:
+        return sum(len(n.key) for n in self.nodes())
+
+    def sequences(self) -> list[tuple[int, ...]]:
+        """The token sequence of every leaf: each stored prefix is a prefix of one of them."""
+        out = []
+        for node in self.nodes():
+            if not node.children:
+                toks, n = [], node
+                while n is not self.root:
+                    toks[:0] = n.key
+                    n = n.parent
+                out.append(tuple(toks))
+        return sorted(out)
+
+    def split(self, node: Node, k: int) -> Node:
+        """A new node for the first k tokens of node's edge, between node and its parent."""
+        if not 0 < k < len(node.key):
+            raise ValueError(f"split needs 0 < k < {len(node.key)}, got {k}")
+        ### BEGIN SOLUTION
+        head = Node(node.key[:k], node.value[:k], node.parent)
+        head.lock_ref, head.last_access = node.lock_ref, node.last_access
+        node.parent.children[node.key[0]] = head
+        node.key, node.value, node.parent = node.key[k:], node.value[k:], head
+        head.children[node.key[0]] = node
+        return head
+        ### END SOLUTION
+
+    def match_prefix(self, tokens) -> tuple[list[int], Node]:
+        """(slots of the longest stored prefix of tokens, the node it ends at)."""
+        tokens = tuple(tokens)
+        ### BEGIN SOLUTION
+        node, i, values = self.root, 0, []
+        while i < len(tokens) and tokens[i] in node.children:
+            child = node.children[tokens[i]]
+            n = common_length(child.key, tokens[i:])
+            if n < len(child.key):
+                child = self.split(child, n)
+            values += child.value
+            i += n
+            node = child
+            self.touch(node)
+        return values, node
+        ### END SOLUTION
+
+    def insert(self, tokens, values) -> int:
+        """Store tokens with their slots; returns how many leading tokens were already stored."""
+        tokens, values = tuple(tokens), list(values)
+        if len(tokens) != len(values):
+            raise ValueError(f"one slot per token: {len(tokens)} tokens, {len(values)} values")
+        ### BEGIN SOLUTION
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                leaf = Node(tokens[i:], values[i:], node)
+                node.children[tokens[i]] = leaf
+                self.touch(leaf)
+                return i
+            n = common_length(child.key, tokens[i:])
+            if n < len(child.key):
+                child = self.split(child, n)
+            i += n
+            node = child
+            self.touch(node)
+        return i
+        ### END SOLUTION
+
+    def lock(self, node: Node) -> None:
+        ### BEGIN SOLUTION
+        while node is not self.root:
+            node.lock_ref += 1
+            node = node.parent
+        ### END SOLUTION
+
+    def unlock(self, node: Node) -> None:
+        ### BEGIN SOLUTION
+        while node is not self.root:
+            if node.lock_ref < 1:
+                raise ValueError(f"{node} is not locked")
+            node.lock_ref -= 1
+            node = node.parent
+        ### END SOLUTION
+
+    def evict(self, n_tokens: int) -> list[int]:
+        """Free at least n_tokens slots from unlocked leaves, least recently used first."""
+        ### BEGIN SOLUTION
+        freed = []
+        while len(freed) < n_tokens:
+            leaves = [n for n in self.nodes() if not n.children and n.lock_ref == 0]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda n: n.last_access)
+            del victim.parent.children[victim.key[0]]
+            freed += victim.value
+        return freed
+        ### END SOLUTION
+'''),
+code(r'''
+tree = RadixTree()
+words = {w: encode(" " + w) for w in ["the cat sat", "the cat ran", "the dog"]}
+next_slot = 0
+for text, toks in words.items():
+    already = tree.insert(toks, list(range(next_slot, next_slot + len(toks))))
+    next_slot += len(toks)
+    print(f"insert {text!r}: {len(toks)} tokens, {already} already stored")
+values, end = tree.match_prefix(encode(" the cat sat down"))
+print(f"match ' the cat sat down': {len(values)} tokens cached, slots {values}")
+print("stored sequences:", [tokenizer.decode(list(s)) for s in tree.sequences()])
+'''),
+tests("radix_match_tests", 3, r"""
+from course.expect import expect_int, expect_ints, expect_tuple, expect_type
+
+# Your tree's answers and nodes, each checked first (type, then value).
+def inserted(t, tokens, values):
+    return expect_int(t.insert(tokens, values), f"insert({list(tokens)}, ...)", min=0)
+def matched(t, tokens):
+    values, node = expect_tuple(t.match_prefix(tokens), f"match_prefix({list(tokens)})", 2)
+    return expect_ints(values, f"match_prefix({list(tokens)})[0] (slots)"), expect_type(node, f"match_prefix({list(tokens)})[1]", Node)
+def stored(t):
+    return [tuple(expect_ints(seq, "a stored sequence", container=tuple)) for seq in t.sequences()]
+def key(n):
+    return tuple(expect_ints(expect_type(n, "a node", Node).key, "node.key", container=tuple))
+def value(n):
+    return expect_ints(n.value, "node.value")
+def child(n, tok):
+    kids = expect_type(n.children, "node.children", dict)
+    assert tok in kids, f"node {key(n) if n.key else 'root'} must have a child starting with token {tok}, has {sorted(kids)}"
+    return expect_type(kids[tok], f"child {tok}", Node)
+
+t = RadixTree()
+assert inserted(t, [1, 2, 3, 4], [10, 11, 12, 13]) == 0 and stored(t) == [(1, 2, 3, 4)], "an empty tree stores the whole sequence"
+assert inserted(t, [1, 2, 5], [20, 21, 22]) == 2, "tokens 1, 2 were already stored"
+assert stored(t) == [(1, 2, 3, 4), (1, 2, 5)], "the split must keep the old suffix (3, 4) and add (5,)"
+head = child(t.root, 1)
+assert key(head) == (1, 2) and value(head) == [10, 11] and set(head.children) == {3, 5}, "the shared edge keeps the first slots"
+assert key(child(head, 3)) == (3, 4) and value(child(head, 3)) == [12, 13] and child(head, 3).parent is head, \
+    "the old node keeps its tail (3, 4) and its slots, under the new head"
+values, node = matched(t, [1, 2, 3, 9])
+assert values == [10, 11, 12] and node is child(child(t.root, 1), 3), \
+    "a match ending inside an edge splits it: the returned node ends exactly at the match"
+assert stored(t) == [(1, 2, 3, 4), (1, 2, 5)], "splitting on a match loses nothing"
+values, node = matched(t, [7])
+assert values == [] and node is t.root, "no match: no slots, the root"
+assert inserted(t, [1, 2, 5], [0, 0, 0]) == 3 and matched(t, [1, 2, 5])[0] == [10, 11, 22], "stored slots are kept"
+n = Node((1, 2, 3), [7, 8, 9]); r = RadixTree(); r.root.children[1] = n; n.parent = r.root
+h = expect_type(r.split(n, 1), "split(node, 1)", Node)
+assert key(h) == (1,) and key(n) == (2, 3) and child(h, 2) is n and len(h.children) == 1 and r.root.children[1] is h \
+    and n.parent is h, \
+    "split(node, 1): a new head (1,) takes node's place; node keeps (2, 3) as its only child"
+### BEGIN HIDDEN TESTS
+import random
+# random inserts from a small alphabet: every inserted sequence stays fully stored with its first slots
+for seed in range(6):
+    rng = random.Random(seed)
+    t, first_slot, inserted_seqs, slot = RadixTree(), {}, [], 0
+    for _ in range(40):
+        base = rng.choice(inserted_seqs) if inserted_seqs and rng.random() < 0.6 else ()
+        seq = tuple(base[:rng.randint(0, len(base))]) + tuple(rng.randrange(3) for _ in range(rng.randint(0, 5)))
+        if not seq:
+            continue
+        vals = list(range(slot, slot + len(seq))); slot += len(seq)
+        known = max((common_length(seq, s) for s in inserted_seqs), default=0)
+        assert inserted(t, seq, vals) == known, f"insert must return the stored prefix length {known}"
+        for i in range(len(seq)):
+            first_slot.setdefault(seq[:i + 1], vals[i])
+        inserted_seqs.append(seq)
+        query = tuple(rng.randrange(3) for _ in range(rng.randint(1, 7)))
+        for q in (query, seq, seq[:-1]):
+            want = max((common_length(q, s) for s in inserted_seqs), default=0)
+            values, node = matched(t, q)
+            assert values == [first_slot[q[:i + 1]] for i in range(want)], \
+                f"match_prefix({q}) must give the slots of the {want} stored tokens"
+            depth, n = 0, node
+            while n is not t.root:
+                depth += len(key(n)); n = n.parent
+            assert depth == want, "the returned node must end exactly where the match ends (split inside an edge)"
+        now = stored(t)
+        for s in inserted_seqs:
+            assert any(x[:len(s)] == s for x in now), f"{s} was lost: a split dropped a suffix or children"
+        for n in t.nodes():
+            assert key(n) and len(key(n)) == len(value(n)) and n.parent.children[n.key[0]] is n, "broken links after a split"
+            assert all(c.parent is n and key(c)[0] == k for k, c in n.children.items()), "a child's parent and first token must match its entry"
+    assert expect_int(t.n_tokens(), "n_tokens()") == len(first_slot), "a stored token appears exactly once in the tree"
+# touches: match and insert update last_access along the path
+t = RadixTree()
+inserted(t, [1, 2], [0, 1]); inserted(t, [1, 3], [2, 3])
+a = child(child(t.root, 1), 2)
+before = expect_int(a.last_access, "last_access")
+matched(t, [1, 2])
+assert expect_int(a.last_access, "last_access") == t.clock > before \
+    and expect_int(child(t.root, 1).last_access, "last_access") == t.clock - 1, \
+    "match touches the nodes on its path"
+### END HIDDEN TESTS
+"""),
+tests("radix_evict_tests", 2, r"""
+from course.expect import expect_int, expect_ints, expect_tuple, expect_type
+
+# Your tree's answers and nodes, each checked first (type, then value).
+def inserted(t, tokens, values):
+    return expect_int(t.insert(tokens, values), f"insert({list(tokens)}, ...)", min=0)
+def matched_node(t, tokens):
+    values, node = expect_tuple(t.match_prefix(tokens), f"match_prefix({list(tokens)})", 2)
+    expect_ints(values, f"match_prefix({list(tokens)})[0] (slots)")
+    return expect_type(node, f"match_prefix({list(tokens)})[1]", Node)
+def evicted(t, n):
+    return sorted(expect_ints(t.evict(n), f"evict({n})"))
+def stored(t):
+    return [tuple(expect_ints(seq, "a stored sequence", container=tuple)) for seq in t.sequences()]
+def locks(n):
+    return expect_int(n.lock_ref, "lock_ref", min=0)
+
+t = RadixTree()
+inserted(t, [1, 2, 3], [0, 1, 2]); inserted(t, [1, 2, 4], [3, 4, 5]); inserted(t, [7, 8], [6, 7])
+node = matched_node(t, [1, 2, 3])                  # now (1, 2, 3) is the most recently used
+t.lock(node)
+assert locks(node) == 1 and locks(expect_type(node.parent, "node.parent", Node)) == 1 and locks(t.root) == 0, \
+    "lock the node and its ancestors, not the root"
+assert evicted(t, 1) == [5], "the least recently used unlocked leaf goes first: (4,) under (1, 2)"
+assert evicted(t, 100) == [6, 7] and stored(t) == [(1, 2, 3)], "locked nodes are never evicted"
+t.unlock(node)
+assert locks(node) == 0 and locks(node.parent) == 0, "unlock undoes lock, on the node and its ancestors"
+assert evicted(t, 1) == [2] and evicted(t, 2) == [0, 1], "a parent whose last child went is a leaf too"
+assert expect_int(t.n_tokens(), "n_tokens()") == 0 and evicted(t, 5) == [], "an empty tree has nothing to evict"
+### BEGIN HIDDEN TESTS
+# LRU across several leaves; eviction stops as soon as enough slots are freed
+t = RadixTree()
+for i, seq in enumerate([(1, 1), (2, 2), (3, 3), (4, 4)]):
+    inserted(t, seq, [10 * i, 10 * i + 1])
+matched_node(t, [2, 2]); matched_node(t, [1, 1])
+assert evicted(t, 2) == [20, 21], "(3, 3) is the least recently used"
+assert evicted(t, 3) == [10, 11, 30, 31], "then (4, 4), then (2, 2): eviction stops once 3 or more slots are freed"
+assert stored(t) == [(1, 1)], "(1, 1) was used last: it stays"
+# locks count: two locks need two unlocks; unlocking an unlocked node raises
+t = RadixTree()
+inserted(t, [5, 6, 7], [0, 1, 2])
+a = matched_node(t, [5, 6])                        # splits: (5, 6) -> (7,)
+b = matched_node(t, [5, 6, 7])
+t.lock(a); t.lock(b)
+assert locks(a) == 2 and locks(b) == 1, "a is locked by itself and by its child b"
+assert evicted(t, 10) == [], "everything is locked"
+t.unlock(b)
+assert evicted(t, 10) == [2] and evicted(t, 10) == [], "(5, 6) is still locked once"
+t.unlock(a)
+assert evicted(t, 10) == [0, 1], "unlocked at last, (5, 6) goes"
+try:
+    t.unlock(a)
+except ValueError:
+    pass
+else:
+    raise AssertionError("unlocking a node with lock_ref 0 must raise ValueError")
+# a split copies the lock: a locked prefix stays locked after another request splits it
+t = RadixTree()
+inserted(t, [1, 2, 3, 4], [0, 1, 2, 3])
+leaf = matched_node(t, [1, 2, 3, 4])
+t.lock(leaf)
+inserted(t, [1, 2, 9], [4, 5, 6])
+assert locks(expect_type(t.root.children[1], "the head node", Node)) == 1, "the new head node of a split keeps the lock count"
+assert evicted(t, 10) == [6] and stored(t) == [(1, 2, 3, 4)], "only the new, unlocked leaf (9,) can go"
+### END HIDDEN TESTS
+"""),
+md(r"""
+## 6. Measure
+
+### Prefill saved and time to first token: a shared system prompt
+
+The run of section 4 already counted the prompt tokens each engine computed. Now the time a user
+waits: the prefill of one new question, with the system prompt cached (from earlier questions) or not.
+Each timed call asks a **different** question, so only the system prompt can come from the cache, as
+on a real server. `course.timing.benchmark` warms up first and reports the median.
+"""),
+code(r'''
+def ttft(caching: bool, questions) -> float:
+    """Median prefill time of one new question after the system prompt, over different questions."""
+    engine = Engine(model, n_blocks=64, block_size=BLOCK, prefix_caching=caching)
+    asked = iter(questions)
+    def ask():
+        q = next(asked)
+        prefill(model, engine.kv, engine.pc, q, chat_prompt(system, q))
+        engine.pc.free(q)
+    repeats = len(questions) - 1                                        # one question for the warm-up
+    return benchmark(ask, warmup=1, repeats=repeats, device=dev).median
+
+asked = [f"Question {i}: " + q for i, q in enumerate(QUESTIONS[:env.pick(6, 3)])]
+times = {name: ttft(caching, asked) for name, caching in (("no cache", False), ("prefix cache", True))}
+saved = runs["no cache"].prefill_tokens - runs["prefix cache"].prefill_tokens
+print(f"shared system prompt, {len(prompts)} requests: {runs['no cache'].prefill_tokens} prompt tokens computed "
+      f"without the cache, {runs['prefix cache'].prefill_tokens} with it "
+      f"({saved} saved, {100 * saved / runs['no cache'].prefill_tokens:.0f}%)")
+for name, s in times.items():
+    print(f"  time to first token, {name:>12}: {1e3 * s:6.0f} ms")
+print(f"  speedup {times['no cache'] / times['prefix cache']:.1f}x")
+'''),
+md(r"""
+### A multi-turn chat
+
+In a chat, every turn sends the whole conversation again: system prompt, earlier questions and
+earlier **answers**. The engine registered the blocks it filled while decoding, so the previous
+answer is in the cache too. Below, one conversation through two engines that both live across the
+turns: per turn, the prompt's length, how much of it came from the cache, and the prefill time.
+"""),
+code(r'''
+turns = ["Hi! I ordered a book on Monday.", "When will it arrive?", "Can I still change the address?",
+         "And if I do not like it, can I return it?", "Thanks. Do you also sell e-books?"][:env.pick(5, 3)]
+chat = {name: Engine(model, n_blocks=128, block_size=BLOCK, prefix_caching=caching)
+        for name, caching in (("no cache", False), ("prefix cache", True))}
+history, rows, same = encode(f"System: {system}\n"), [], 0
+for i, user in enumerate(turns):
+    prompt = history + encode(f"User: {user}\nAssistant:")
+    done = {name: eng.run([Request(i, prompt, env.pick(16, 4, cpu=10))]).requests[0] for name, eng in chat.items()}
+    same += done["no cache"].output == done["prefix cache"].output
+    answer = done["prefix cache"].output
+    rows.append((i + 1, len(prompt), done["prefix cache"].n_cached, done["no cache"].prefill_s, done["prefix cache"].prefill_s))
+    history = prompt + answer + encode("\n")
+print("turn  prompt  cached  prefill no cache  prefill cache")
+for turn, n, hit, t0, t1 in rows:
+    print(f"{turn:>4}  {n:>6}  {hit:>6}  {1e3 * t0:>13.0f} ms  {1e3 * t1:>10.0f} ms")
+print(f"over the chat: {sum(r[2] for r in rows)} of {sum(r[1] for r in rows)} prompt tokens came from the cache; "
+      f"the answers were the same with and without it in {same} of {len(rows)} turns"
+      + (" (in bfloat16 a near-tie may round another way)" if env.dtype != torch.float32 else ""))
+
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3))
+x = np.arange(len(rows))
+ax1.bar(x - 0.2, [r[1] for r in rows], 0.4, label="no cache"); ax1.bar(x + 0.2, [r[1] - r[2] for r in rows], 0.4, label="prefix cache")
+ax1.set_xticks(x, [f"turn {r[0]}" for r in rows]); ax1.set_ylabel("prompt tokens computed"); ax1.legend()
+ax2.plot(x + 1, [1e3 * r[3] for r in rows], "o-", label="no cache"); ax2.plot(x + 1, [1e3 * r[4] for r in rows], "o-", label="prefix cache")
+ax2.set_xlabel("turn"); ax2.set_ylabel("prefill time (ms)"); ax2.legend()
+for ax in (ax1, ax2):
+    ax.grid(alpha=0.3)
+plt.tight_layout(); plt.show()
+'''),
+md(r"""
+Without the cache, prefill grows with the whole conversation at every turn: the total work grows with
+the square of the number of turns. With it, each turn computes only its new message, the last token
+of the previous answer and the partial blocks around them. (Turn 1 has nothing to reuse: there the two
+times differ only by noise.)
+
+### Hit rate against cache size, and the radix tree against the hashes
+
+How big must the cache be? That depends on the traffic. Below, a simulated server (token ids only, no
+model, so it runs in a second): a few system prompts of different lengths, some far more popular than
+others, each request one of them plus its own question, then an answer. Requests come one at a time;
+after each, the blocks are released and stay cached until evicted. The hit rate is the share of prompt
+tokens found in the cache.
+
+The same traffic also goes through your radix tree, with the same number of token slots: match,
+lock, compute the rest, insert the request's tokens, unlock, and evict leaves when the slots run out.
+"""),
+code(r'''
+def traffic(n_requests, seed=0):
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, 5000, n).tolist() for n in (250, 180, 120, 90, 60, 40)]
+    popularity = 1 / np.arange(1, len(systems) + 1)                  # Zipf-like: a few prompts dominate
+    picks = rng.choice(len(systems), n_requests, p=popularity / popularity.sum())
+    return [(systems[k] + rng.integers(0, 5000, rng.integers(8, 40)).tolist(), rng.integers(0, 5000, 16).tolist())
+            for k in picks]
+
+def hash_hit_rate(reqs, n_blocks, block_size):
+    pc = PrefixCache(n_blocks, block_size)
+    for i, (prompt, answer) in enumerate(reqs):
+        pc.allocate(i, prompt); pc.commit(i, prompt)
+        pc.append(i, len(answer)); pc.commit(i, prompt + answer)
+        pc.free(i)
+    return pc.hit_rate
+
+def radix_hit_rate(reqs, n_slots):
+    tree, free, hit, total = RadixTree(), list(range(n_slots)), 0, 0
+    for prompt, answer in reqs:
+        values, last = tree.match_prefix(prompt[:-1])
+        tree.lock(last)
+        hit, total = hit + len(values), total + len(prompt)
+        tokens = prompt + answer
+        need = len(tokens) - len(values)
+        if need > len(free):
+            free += tree.evict(need - len(free))
+        new, free = free[:need], free[need:]
+        tree.unlock(last)
+        already = tree.insert(tokens, values + new)
+        free += (values + new)[len(values):already]                 # slots of tokens that were stored already
+    return hit / total
+
+reqs = traffic(env.pick(400, 120))
+sizes = [24, 32, 48, 64, 96, 128, 256]
+hash_rates = [hash_hit_rate(reqs, n, 16) for n in sizes]
+radix_rates = [radix_hit_rate(reqs, n * 16) for n in sizes]
+for n, h, r in zip(sizes, hash_rates, radix_rates):
+    print(f"{n:>4} blocks of 16 ({n * 16:>5} tokens): hash {100 * h:5.1f}%   radix tree {100 * r:5.1f}%")
+plt.figure(figsize=(6, 3))
+plt.plot([n * 16 for n in sizes], [100 * h for h in hash_rates], "o-", label="hashed blocks of 16")
+plt.plot([n * 16 for n in sizes], [100 * r for r in radix_rates], "s--", label="radix tree (per token)")
+plt.xscale("log", base=2); plt.xlabel("cache size (tokens)"); plt.ylabel("prompt tokens from the cache (%)")
+plt.grid(alpha=0.3); plt.legend(); plt.tight_layout(); plt.show()
+'''),
+md(r"""
+Read your plot. When the cache is smaller than the popular prompts together, requests evict what the
+next ones need, and the hit rate is low. Once it holds them, the hit rate levels off at what the
+traffic allows: the questions themselves are new, so no cache can serve them. With a large cache the
+radix tree reuses a little more of every prompt: it matches token by token, while the hashes stop at
+the last full block and recompute the partial one (up to `block_size - 1` tokens per request). With a
+small cache the two differ in what they evict (whole leaves against single blocks), and which does
+better depends on the traffic: look at what your run shows.
+
+What each scheme is good at:
+
+| | hashed blocks (vLLM) | radix tree (SGLang) |
+|---|---|---|
+| lookup | one dict lookup per block, independent of everything else in the cache | a walk down the tree, comparing tokens |
+| granularity | whole blocks only; the partial last block is never shared | any token; edges split where prompts diverge |
+| structure | flat: blocks and a map, the allocator of lab 05 barely changes | a tree to keep consistent (splits, parents, locks) |
+| eviction | any unused block, LRU; a block whose parent is gone is simply never reached | leaves only, LRU, with locks up the path |
+| also gives | a stable name per block: easy to share across processes and machines (KV offloading, disaggregation) | the structure of the traffic: schedulers that run requests with a common prefix together (SGLang's cache-aware scheduling) |
+
+## Summary
+
+- Requests often start with the same tokens (system prompts, chat history, few-shot examples). Their
+  keys and values depend only on those tokens, so they can be computed once and shared.
+- **Chained hashes** name a full block by its whole prefix: hash(parent hash, block tokens). Only full
+  blocks are hashed and shared; the partial last block belongs to its sequence.
+- A **pool** keeps freed blocks cached with reference count 0 in an **LRU queue**; sharing removes a block
+  from it (a block in use is never evicted); a lookup **checks the tokens and the parent** against collisions.
+- The engine computes only the tokens after the cached blocks, with their true positions, and at least
+  the last prompt token; outputs are identical with and without the cache.
+- A **radix tree** stores token sequences with shared prefixes: match, insert with **splits** that keep
+  every suffix, and LRU eviction of **unlocked leaves**.
+- You measured the prefill tokens saved, the time to first token with and without the cache, and the
+  hit rate against cache size.
+
+**Questions**
+1. Why must the hash of a block include its parent's hash? Give two prompts that a hash of the block
+   alone would confuse, and say what the model would then compute.
+2. Why is the partial last block never shared? What would go wrong when two requests share it and both decode?
+3. A prompt is exactly 4 full blocks long and all of them are cached. How many tokens does the engine
+   compute, and why not zero?
+4. What would happen if `share` forgot to take a free block out of the LRU queue? Describe the first
+   request that would see wrong keys.
+5. The token check costs a tuple comparison per hit. With 64-bit hashes, how many cached blocks would
+   a server need before a collision becomes likely (the birthday bound)? Is the check worth it?
+6. In your multi-turn measurement, how does the prefill time per turn grow with and without the cache?
+   What happens to the total over a 50-turn chat?
+7. From your hit-rate plot: how much cache does this traffic need? Which requests still miss when the
+   cache is large, and why can no cache help them?
+8. Why can a radix tree evict only leaves, and why must a running request lock its path?
+
+## Going further
+
+- **vLLM** automatic prefix caching (`enable_prefix_caching`, on by default in the V1 engine): block hashes
+  chained from the parent, with extra keys (LoRA adapter, multimodal inputs, a per-request salt for
+  tenant isolation), a free queue that doubles as the LRU eviction order, and SHA-256 hashing as an option.
+- **SGLang** RadixAttention (Zheng et al., 2024, "SGLang: Efficient Execution of Structured Language Model
+  Programs"): the radix tree, cache-aware scheduling (longest shared prefix first), and up to 5-6x
+  throughput on workloads with shared prefixes.
+- **nano-vllm**'s `engine/block_manager.py`: hashing and reference counts in a few dozen lines; compare
+  with your `PrefixCache`.
+- **Prompt caching** in hosted APIs (Anthropic, OpenAI, Gemini): the same idea sold as a discount on
+  cached input tokens, with explicit cache breakpoints and a time to live.
+- **LMCache**, **Mooncake** and other KV stores: cached blocks moved to CPU memory, disk or other
+  machines, found again by their hashes; the basis of prefill-decode disaggregation.
+"""),
+]
