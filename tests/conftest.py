@@ -6,8 +6,8 @@ too), and loading a transformers model imports Triton. Set later, a test's kerne
 interpreted but `tl.zeros` not ("Cannot call @triton.jit'd outside of the scope of a kernel").
 The GPU compile check runs in a subprocess without it (course.kernels.compile_check).
 
-`graded_class`: every selected lab's simulated class graded ONCE per session. Each lab runs five
-times there (honest, blank, planted mistakes, yes-man, patcher), and those runs serve everything
+`graded_class`: every selected lab's simulated class graded ONCE per session. Each lab runs four
+times there (honest, blank, yes-man, patcher with planted mistakes), and those runs serve everything
 else: the honest student's graded notebook is the lab's source run (test_labs.py) and the site's
 executed copy (build/executed/), the blank student's is its release run.
 

@@ -3,8 +3,10 @@
 Fast (no kernel): repair, the static scan, zip and class-list collection, feedback lines, self_check.
 Defenses (tiny notebooks, a few seconds each): every tamper defense is run with and without the
 guard, so each test shows the attack working without it and failing with it.
-Slow (the fixture class of autograder/fixtures/, graded with JOBS=2 as `make grade` does):
-- every lab: full, blank, partial and two buggy students, plus an absent one: exact scores;
+Slow (the fixture class of autograder/fixtures/, graded once per session with JOBS=2 as `make grade`
+does: tests/conftest.py):
+- every lab: an honest, a blank, a yes-man and a patcher student (planted mistakes + patched
+  comparisons), plus an absent one: exact scores and flags;
 - lab 01: the hostile students (tampering, escapes, bombs, crashes, damaged notebooks) with a
   short cell timeout: exact scores and flags, no escape succeeded, nothing left running;
 - no feedback page holds a hidden test or a solution line the student did not write; the
@@ -306,7 +308,7 @@ def graded_hostile(tmp_path_factory):
     targets = (str(root / "gradebook.db"), str(lab_notebook(HOSTILE_LAB)),
                str(root / "submitted" / "patch-builtins" / HOSTILE_LAB / f"{HOSTILE_LAB}.ipynb"))
     subs = [s for s in build_class(labs=[HOSTILE_LAB], release_dir=root / "fixture-release", targets=targets)
-            if s.student not in {"full", "blank", "buggy", "yesman", "patcher"}]
+            if s.student not in {"full", "blank", "yesman", "patcher"}]
     source_hash = hashlib.sha256(lab_notebook(HOSTILE_LAB).read_bytes()).hexdigest()
     result = _grade_class(root, subs, labs=[HOSTILE_LAB], cell_timeout=120, budget=900, processes=64)
     result["source_hash"] = source_hash
