@@ -154,7 +154,12 @@ def lab_info(nb: NotebookNode | str | Path, name: str | None = None) -> LabInfo:
     info.why = next((p for p in paragraphs if not p.startswith(("#", "**", "-", "*"))), "")
     for para in paragraphs:
         if para.startswith("**You will**"):
-            info.goals = [line.lstrip("-* ").strip() for line in para.splitlines()[1:] if line.strip()]
+            info.goals = []
+            for line in para.splitlines()[1:]:
+                if line.lstrip().startswith(("- ", "* ")) or not info.goals:
+                    info.goals.append(line.strip().lstrip("-* ").strip())
+                elif line.strip():                  # a bullet wrapped onto the next line
+                    info.goals[-1] += " " + line.strip()
         time = re.search(r"\*\*Time:\*\*\s*(.+?)(?=\s*\*\*\w|\Z)", para, re.S)
         if time:
             info.time = " ".join(time[1].split()).rstrip(".")

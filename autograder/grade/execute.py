@@ -292,3 +292,5 @@ async def _execute_cells(client: GradingClient, guard: Guard | None, run: Run, k
             else:
                 run.stopped = (index, "guard-broken", str(e))
             return
+    if limits.widget_state:      # nbclient saves widget state only in execute(); cells run one by one here
+        client.set_widgets_metadata()

@@ -39,7 +39,8 @@ they come to the bandwidth limit and to PyTorch's own attention.
 
 **Time:** about 4 hours: 45 minutes of reading, seven problems (the split-KV and prefill kernels take
 about 50 minutes each, the others 10-40), and about 10 minutes of running on a laptop CPU (the
-interpreter is slow). **Hardware:**
+interpreter is slow). **Hardware:** any CPU runs every problem in Triton's interpreter; a GPU
+(T4, A100, H100) compiles the kernels and times them. In detail:
 
 | | laptop CPU | GPU (T4, A100, H100) |
 |---|---|---|
