@@ -139,14 +139,14 @@ def lookup_gpu(device_name: str) -> GPUSpec | None:
     return None
 
 
-def _measure(device: str, quick: bool) -> tuple[float, float]:
-    """(FLOP/s of an fp32 matmul, B/s of a large copy) measured on `device`."""
+def _measure(device: str, quick: bool, dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(FLOP/s of a `dtype` matmul, B/s of a large copy) measured on `device`."""
     gpu = device.startswith("cuda")
     # Matmul: 2 n^3 FLOPs. Big enough to keep every core busy, small enough for a few seconds.
     n = (4096 if quick else 8192) if gpu else (1024 if quick else 2048)
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    c = torch.empty(n, n, device=device)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
     t_mm = benchmark(lambda: torch.mm(a, b, out=c), warmup=2, repeats=3 if quick else 7, device=device)
     flops = 2 * n**3 / t_mm.median
     del a, b, c
@@ -177,8 +177,9 @@ def measure_cpu_peak(quick: bool = False) -> Peak:
 def device_peak(env, dtype: str | torch.dtype = torch.float32) -> Peak:
     """The roofline ceilings of the device `env` (from `course.setup()`) runs on, for `dtype` matmuls.
 
-    A GPU found in `GPUS`: its datasheet figures. Any other GPU, and every CPU: measured here
-    (a few seconds; quicker in quick mode). The lab's model runs in fp32, hence the default.
+    A GPU found in `GPUS`: its datasheet figures. Any other GPU: measured here in `dtype` (a few
+    seconds; quicker in quick mode). A CPU: measured, fp32 only (the labs run fp32 on a CPU). Pass
+    the dtype the model runs in (`env.dtype`): a GPU's bf16 tensor-core peak is 10-15x its fp32 one.
     """
     if not (hasattr(env, "device") and hasattr(env, "quick")):
         raise TypeError(f"env must be the Environment returned by course.setup(), got {type(env).__name__}")
@@ -188,11 +189,9 @@ def device_peak(env, dtype: str | torch.dtype = torch.float32) -> Peak:
         spec = lookup_gpu(name)
         if spec is not None:
             return spec.peak(key)
-        if key != "fp32":
-            raise ValueError(f"{name!r} is not in course.hardware.GPUS and only fp32 can be measured; "
-                             f"use dtype=torch.float32")
-        flops, bandwidth = _measure(str(env.device), bool(env.quick))
-        return Peak(f"{name} fp32", flops, bandwidth, "measured")
+        torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[key]
+        flops, bandwidth = _measure(str(env.device), bool(env.quick), torch_dtype)
+        return Peak(f"{name} {key}", flops, bandwidth, "measured")
     if key != "fp32":
         raise ValueError(f"on a CPU only the fp32 peak is measured, got dtype={dtype!r}")
     return measure_cpu_peak(bool(env.quick))

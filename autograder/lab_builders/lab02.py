@@ -5,6 +5,7 @@
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
 
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL as INSTALL  # noqa: E402
+from autograder.lab_builders.lab02_graphs import GRAPH_CELLS  # noqa: E402
 
 cells = []
 add = cells.append
@@ -19,17 +20,24 @@ token, one forward pass per token. The two phases load the hardware in opposite 
 the arithmetic units busy, while decode spends most of its time waiting for the weights to arrive
 from memory. Nearly every trick of an inference engine (the KV cache, batching, chunked prefill,
 running the two phases on separate GPUs) follows from this one asymmetry. In this lab you count
-it, measure it, and see it on a plot of your own machine.
+it, measure it, and see it on a plot of your own machine. Then you find the limit the count leaves
+out: on a GPU, a small model's decode step is a thousand tiny kernels, and launching them one by
+one can cost far more than running them. Engines capture the step in a **CUDA graph**; so will you.
 
 **You will**
 - count the FLOPs and the bytes of one forward pass, for prefill and for decode, and divide them: *arithmetic intensity*;
-- place both phases on the *roofline* of this machine, and see why batching helps decode;
+- place both phases on the *roofline* of this machine, in the dtype the model runs in, and see why batching helps decode;
+- profile one decode step (how many ops or kernels, how long the device computes, how long it waits), and capture it in a CUDA graph (a CPU stand-in with the same rules where there is no GPU);
 - write a streaming generator and measure what a user feels: time to first token, time per output token, throughput;
 - budget memory: weights, KV cache and activations, and find when the cache outgrows the model.
 
-**Time:** about 60 minutes. **Hardware:** everything runs on a laptop CPU (a few minutes of
-compute in all). On a GPU the same cells use it, and the roofline uses the GPU's datasheet.
-Timings depend on your machine and on what else runs on it: read your own numbers, not ours.
+**Time:** about 2 hours: 35 minutes of reading, four problems (the FLOP and byte count about 30
+minutes, the graph 20, the streaming generator and its metrics 25, the memory budget 15), and
+3-5 minutes of running on a laptop CPU (about 2 minutes on a GPU). **Hardware:** everything runs on
+a CPU. On a GPU the same cells use it, with the model in bf16 (fp16 on a T4), the roofline from
+the GPU's datasheet for that dtype, and two measurements only a GPU can make (real CUDA graphs,
+`torch.compile`). Timings depend on your machine and on what else runs on it: read your own
+numbers, not ours.
 '''))
 
 add(locked("colab_install", INSTALL))
@@ -39,9 +47,11 @@ add(md(r'''
 ## 1. The model, and two ways to run it
 
 The same model as in lab 01: SmolLM2-135M in our from-scratch decoder (`model`) and in Hugging Face
-`transformers` (`hf_model`). Our decoder has no KV cache yet (lab 03 adds it): every call recomputes
-the whole sequence it is given. `make_prompt(n)` builds a prompt of exactly `n` tokens from a
-paragraph of text.
+`transformers` (`hf_model`), both in `env.dtype`: float32 on a CPU, bfloat16 on a GPU (float16 on a
+GPU without bf16). Every timing and every roofline below names that dtype: a GPU does 10-15x more
+bf16 arithmetic per second than fp32. Our decoder has no KV cache yet (lab 03 adds it): every call
+recomputes the whole sequence it is given. `make_prompt(n)` builds a prompt of exactly `n` tokens
+from a paragraph of text.
 '''))
 
 add(locked("load", r'''
@@ -52,9 +62,12 @@ import torch
 from course.timing import TokenTimer, benchmark, clock
 
 tokenizer = course.load_tokenizer()
-model = course.load_model(device=env.device)        # from scratch, no KV cache
-hf_model = course.load_hf_model(device=env.device)  # transformers, with a KV cache in generate()
+model = course.load_model(device=env.device, dtype=env.dtype)        # from scratch, no KV cache
+hf_model = course.load_hf_model(device=env.device, dtype=env.dtype)  # transformers, with a KV cache in generate()
 cfg = model.cfg
+BYTES = torch.finfo(env.dtype).bits // 8                            # bytes per weight: 4 in fp32, 2 in bf16/fp16
+DTYPE = str(env.dtype).removeprefix("torch.")                        # "float32", "bfloat16", ...
+WHERE = f"{env.device}, {DTYPE}"                                      # every timing says where it ran
 
 TEXT = ("Inference engines serve language models to many users at once. A request arrives with a prompt, "
         "the engine reads the prompt, and then it writes the answer one token at a time until it is done. ")
@@ -73,7 +86,7 @@ def positions(n_tokens: int) -> torch.Tensor:
 
 
 n_params = model.num_parameters()
-print(f"{n_params / 1e6:.1f} M parameters = {n_params * 4 / 1e6:.0f} MB in fp32; {cfg.n_layer} layers, "
+print(f"{n_params / 1e6:.1f} M parameters = {n_params * BYTES / 1e6:.0f} MB in {DTYPE}; {cfg.n_layer} layers, "
       f"d_model {cfg.d_model}, {cfg.n_head} query heads sharing {cfg.n_kv_head} KV heads (head_dim {cfg.head_dim}), "
       f"d_ff {cfg.d_ff}, vocabulary {cfg.vocab_size:,}")
 '''))
@@ -109,6 +122,7 @@ prompt = make_prompt(P)              # (1, P)
 t_prefill = benchmark(lambda: model(prompt, positions(P)), warmup=1, repeats=repeats, device=env.device).median
 t_step = benchmark(lambda: model(prompt[:, :1], positions(1)), warmup=1, repeats=repeats, device=env.device).median
 
+print(f"on {WHERE}:")
 print(f"one forward over {P} tokens: {t_prefill * 1e3:8.1f} ms = {t_prefill / P * 1e3:7.2f} ms per token")
 print(f"one forward over   1 token : {t_step * 1e3:8.1f} ms = {t_step * 1e3:7.2f} ms per token")
 print(f"per token, the {P}-token forward is {t_step / (t_prefill / P):.0f}x cheaper, "
@@ -120,7 +134,9 @@ Why is a token so much cheaper in a big forward pass? To process a token, the mo
 by every weight matrix, so every weight must travel from memory to the arithmetic units. In the big
 forward pass each weight makes that trip once and is then used for all `P` tokens. In the one-token
 pass each weight makes the same trip to be used once: two FLOPs (a multiply and an add) per weight.
-Decode produces one token per pass, so it always pays that second price.
+Decode produces one token per pass, so it always pays that second price. (That is the story on a
+CPU. On a GPU the two passes may take nearly the same time for a reason that has nothing to do
+with weights: section 3 finds it.)
 
 "Compute is cheap, moving bytes is expensive" is only a slogan until you count. Let's count.
 
@@ -382,21 +398,24 @@ divided by the measured time.
 add(code(r'''
 from course.hardware import GPUS, device_peak, plot_roofline
 
-peak = device_peak(env)          # fp32: the precision our model runs in
+peak = device_peak(env, env.dtype)    # the ceilings for the dtype the model runs in (fp32 on a CPU)
 print(peak)
 
-prefill_cost = forward_cost(cfg, n_new=P, n_past=0)
-step_cost = forward_cost(cfg, n_new=1, n_past=0)     # what we timed: one token, no cache
+prefill_cost = forward_cost(cfg, n_new=P, n_past=0, bytes_per_param=BYTES, bytes_per_kv=BYTES)
+step_cost = forward_cost(cfg, n_new=1, n_past=0, bytes_per_param=BYTES, bytes_per_kv=BYTES)  # what we timed
+bound = {}
 for name, cost, seconds in (("prefill", prefill_cost, t_prefill), ("decode step", step_cost, t_step)):
-    bound = max(cost["flops"] / peak.flops, cost["bytes"] / peak.bytes_per_s)
+    bound[name] = max(cost["flops"] / peak.flops, cost["bytes"] / peak.bytes_per_s)
     limit = "compute" if cost["intensity"] > peak.ridge else "memory"
-    print(f"{name:12} intensity {cost['intensity']:7.2f} FLOP/B -> {limit}-bound here; roofline bound {bound * 1e3:7.1f} ms, "
-          f"measured {seconds * 1e3:7.1f} ms; achieved {cost['flops'] / seconds / 1e9:6.1f} GFLOP/s")
+    print(f"{name:12} intensity {cost['intensity']:7.2f} FLOP/B -> {limit}-bound here; roofline bound "
+          f"{bound[name] * 1e3:7.2f} ms, measured {seconds * 1e3:7.1f} ms ({seconds / bound[name]:.1f}x the bound); "
+          f"achieved {cost['flops'] / seconds / 1e9:6.1f} GFLOP/s")
 
 ax = plot_roofline(peak, {
     f"prefill ({P} tokens)": (prefill_cost["intensity"], prefill_cost["flops"] / t_prefill),
     "decode step (1 token)": (step_cost["intensity"], step_cost["flops"] / t_step),
 })
+ax.set_title(f"SmolLM2-135M on {WHERE}: where each phase sits", fontsize=10)
 plt.show()
 '''))
 
@@ -407,6 +426,12 @@ intensity FLOP/s there, a small fraction of the peak, because each weight that a
 the ridge, where the arithmetic is the limit (a GPU's ridge is much higher: see below). (The measured ceilings are
 what a plain matmul and a plain copy achieve; a busy machine lowers both. On a CPU, decode often
 reaches well under its roof: a one-row matrix product is not the access pattern CPUs stream best.)
+
+Now read how far below its roof your decode step landed: the "x the bound" you printed. On a CPU it
+is typically a small factor: the roofline explains most of the step. On a GPU the bound for this
+model is a fraction of a millisecond (its weights over the memory bandwidth), and the measured step
+can be a hundred times that or more. A roof that is off by a factor of a hundred leaves something
+out. Section 3 finds what.
 
 ### The same phases on datacenter GPUs
 
@@ -475,9 +500,10 @@ sequence shares, so no batch size makes it compute-bound. GQA raises that ceilin
 query heads per KV head, one reason modern models use it.
 
 Does batching pay off on this machine? Time one decode step (one token per sequence, no cache) at
-growing batch sizes. While decode is memory-bound the weights dominate the time, so a step should
-cost about the same for 1 sequence as for several, and the tokens per second should climb until
-the intensity reaches the ridge.
+growing batch sizes. As long as something other than the batch's arithmetic dominates the step, a
+step should cost about the same for 1 sequence as for several, and the tokens per second should
+climb with the batch. On a CPU that something is the weights' trip from memory, until the
+intensity reaches the ridge. (On a GPU it is something else again, for this model: section 3.)
 '''))
 
 add(code(r'''
@@ -487,7 +513,7 @@ for b in batch_sizes:
     ids = prompt[:, :1].repeat(b, 1)                       # (b, 1): one new token for each of b sequences
     pos = torch.zeros_like(ids)
     t = benchmark(lambda: model(ids, pos), warmup=1, repeats=repeats, device=env.device).median
-    cost = forward_cost(cfg, 1, 0, batch=b)
+    cost = forward_cost(cfg, 1, 0, batch=b, bytes_per_param=BYTES, bytes_per_kv=BYTES)
     step_ms.append(t * 1e3); tokens_per_s.append(b / t)
     batch_points[f"B={b}"] = (cost["intensity"], cost["flops"] / t)
     print(f"batch {b:3}: {t * 1e3:7.1f} ms per step, {b / t:7.1f} tokens/s, intensity {cost['intensity']:5.1f} FLOP/B")
@@ -496,17 +522,23 @@ fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
 ax1.plot(batch_sizes, tokens_per_s, "o-", label="tokens per second")
 ax1.set_xscale("log", base=2); ax1.set_xlabel("batch size"); ax1.set_ylabel("decode tokens per second")
 ax1b = ax1.twinx(); ax1b.plot(batch_sizes, step_ms, "s--", color="C1", label="ms per step"); ax1b.set_ylabel("ms per step")
-ax1.set_title("One decode step at growing batch sizes", fontsize=10); ax1.grid(alpha=0.3)
+ax1.set_title(f"One decode step at growing batch sizes ({WHERE})", fontsize=10); ax1.grid(alpha=0.3)
 ax1.legend(loc="upper left", fontsize=8); ax1b.legend(loc="lower right", fontsize=8)
 plot_roofline(peak, batch_points, ax=ax2)
 plt.show()
+print(f"batch {batch_sizes[-1]} took {step_ms[-1] / step_ms[0]:.1f}x the time of batch 1 per step, "
+      f"for {tokens_per_s[-1] / tokens_per_s[0]:.1f}x the tokens per second")
 '''))
 
 add(md(r'''
 That is the bargain every serving engine strikes: a bigger batch gives more tokens per second in
 total, while each sequence waits a little longer for each of its tokens. Lab 04 builds the batcher.
+'''))
 
-## Problem 2: A streaming generator, and the numbers a user feels (3.5 points)
+cells.extend(GRAPH_CELLS)   # section 3: where a decode step's time goes, and Problem 2 (lab02_graphs.py)
+
+add(md(r'''
+## Problem 3: A streaming generator, and the numbers a user feels (3.5 points)
 
 Users do not wait for the whole answer: chat interfaces show each token as soon as it exists. An
 engine therefore **streams**, and it is judged by timings of that stream. For one request that starts
@@ -735,7 +767,7 @@ timer = TokenTimer(env.device)                                         # its clo
 hf_model.generate(request, streamer=timer, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
 cached = request_metrics(0.0, timer.times)
 
-print(f"prompt of {prompt_len} tokens, {n_new} new tokens; same tokens: {ours_tokens == timer.tokens}")
+print(f"prompt of {prompt_len} tokens, {n_new} new tokens, {WHERE}; same tokens: {ours_tokens == timer.tokens}")
 print(f"{'':22} {'TTFT ms':>8} {'TPOT ms':>8} {'tokens/s':>9}")
 for name, m in (("stream_generate (no cache)", ours), ("generate (KV cache)", cached)):
     print(f"{name:26} {m['ttft'] * 1e3:8.1f} {m['tpot'] * 1e3:8.1f} {m['throughput']:9.1f}")
@@ -752,17 +784,24 @@ ax2.set_xlabel("token number"); ax2.set_ylabel("ms since the previous token (ITL
 ax2.set_title("Inter-token latency", fontsize=10); ax2.legend(fontsize=8); ax2.grid(alpha=0.3)
 plt.show()
 print("generated:", repr(tokenizer.decode(ours_tokens)))
+for name, m in (("no cache (yours)", ours), ("KV cache (generate)", cached)):
+    print(f"{name:20}: ITL from {m['itl'][0] * 1e3:6.1f} ms (token 2) to {m['itl'][-1] * 1e3:6.1f} ms (token {n_new}), "
+          f"x{m['itl'][-1] / m['itl'][0]:.2f}; TTFT {m['ttft'] * 1e3:.1f} ms ({WHERE})")
 '''))
 
 add(md(r'''
 Both loops start the same way: the first token needs a forward pass over the whole prompt, so the
-two TTFTs are close. After that they part. `generate` keeps the keys and values of every earlier
-token, so each decode step feeds the model one token, and the ITL stays flat. Your loop has no cache:
-every decode step is a new prefill of the whole sequence so far, so each ITL costs about a TTFT and
-keeps growing with the text. The decode phase only exists as a cheap phase because of the KV cache.
-**Lab 03: you add it to the from-scratch model.**
+two TTFTs are close. After that they part, or should. `generate` keeps the keys and values of every
+earlier token, so each decode step feeds the model one token, and its ITL stays flat. Your loop has
+no cache: every decode step is a new prefill of the whole sequence so far. On a CPU that shows at
+once: each ITL costs about a TTFT, and grows with the text (by how much depends on how many tokens
+the steps add to the prompt: your last line says). On a GPU, at this model size, it
+may hardly show: a forward pass over a few hundred tokens launches the same thousand kernels as a
+pass over one, and section 3 showed that the launches are the step. The last line you printed says
+which case you are in. Either way, the decode phase is cheap only because of the KV cache, once the
+work (not the launches) sets the pace. **Lab 03: you add it to the from-scratch model.**
 
-## Problem 3: The memory budget (2.5 points)
+## Problem 4: The memory budget (2.5 points)
 
 A GPU must hold three things while it serves: the **weights**, the **KV cache** of every sequence in
 the batch, and the **activations** of the step it is running. The cache grows with each token and
@@ -896,7 +935,8 @@ real prefill, and the logits tensor of that prefill (the widest activation of Sm
 
 add(code(r'''
 T_check = 32
-budget = memory_budget(cfg, batch=1, context_len=T_check, bytes_per_param=4, bytes_per_kv=4, step_tokens=T_check)
+budget = memory_budget(cfg, batch=1, context_len=T_check, bytes_per_param=BYTES, bytes_per_kv=BYTES, step_tokens=T_check)
+print(f"the model and transformers' cache in {DTYPE}: {BYTES} bytes per number")
 ids = make_prompt(T_check)
 with torch.no_grad():
     out = hf_model(ids, use_cache=True)          # logits (1, T, V) and transformers' KV cache
@@ -978,6 +1018,12 @@ smaller caches (GQA, MQA, 8-bit KV) and prefills split into chunks, which bound 
   GPU's ridge. **Decode is memory-bound; prefill is compute-bound.**
 - **Batching** decode shares each weight read across sequences and raises the intensity, until
   the per-sequence KV reads dominate at long contexts.
+- The roofline leaves out the cost of **handing out the work**. A decode step of a small model is
+  about a thousand small ops; on a GPU each is a kernel launch that costs the CPU more than the
+  GPU's run of it, so the step is **launch-bound**, far above its roofline. A **CUDA graph**
+  captures the step once (static input buffers, static outputs, fixed shapes) and replays all its
+  kernels with one launch; engines keep one graph per batch-size bucket. On a CPU, where the ops
+  themselves take the time, there is nothing comparable to win.
 - Users feel **TTFT** (prefill, plus queueing) and **TPOT** (decode speed); operators care about
   **throughput**. A larger batch raises throughput and each request's TPOT: the throughput-latency
   trade-off every scheduler tunes.
@@ -988,9 +1034,11 @@ smaller caches (GQA, MQA, 8-bit KV) and prefills split into chunks, which bound 
 1. Why is prefill compute-bound and decode memory-bound? Answer with your two intensities and the ridge point of this machine.
 2. What does time to first token measure, and what does time per output token measure? Which phase sets each?
 3. What do we gain by batching decode, and what do we lose? Use your batch measurement.
-4. Without a KV cache, your inter-token latency grew with every token. Why? What will a cache save: compute or memory, and at what price?
+4. Without a KV cache, did your inter-token latency grow with every token? Why (or why not, on a GPU)? What will a cache save: compute or memory, and at what price?
 5. How are prefill and decode different enough that some systems run them on different GPUs?
 6. What can an engine do when the KV cache no longer fits in memory?
+7. Your profile counted the ops of one decode step. Which limit did your step hit: the work or the launches? What did your graph gain, and why that much and no more?
+8. Why do engines capture graphs for decode steps but run prefills eagerly? What do they do with a decode batch of 5 when they captured graphs for 4 and 8?
 
 ## Going further
 
@@ -1007,6 +1055,14 @@ smaller caches (GQA, MQA, 8-bit KV) and prefills split into chunks, which bound 
   prefill, TPOT for decode), and ships the KV cache from the prefill GPU to the decode GPU.
 - **TGI** (Hugging Face) and **nano-vllm** (about 1,400 lines) are readable engines that make the same
   choices; in nano-vllm, find where the scheduler decides between a prefill step and a decode step.
+- **CUDA graphs in engines**: nano-vllm (`engine/model_runner.py`) captures batch sizes 1, 2, 4, 8, then
+  every 16 up to its maximum, largest first into one shared memory pool; vLLM and SGLang do the same
+  with finer buckets and also capture pieces around attention (*piecewise* graphs) so that prefills
+  benefit too. PyTorch's own guide, "CUDA Graphs" in the CUDA semantics notes, lists the rules you
+  met (static buffers, side-stream warm-up, no synchronization inside).
+- **torch.compile** (`mode="reduce-overhead"`) fuses small ops into Triton kernels and replays them
+  from CUDA graphs; Hugging Face `transformers` pairs it with a *static* KV cache (fixed shapes) and
+  reports up to 4x faster decoding.
 - The roofline model itself: Williams, Waterman and Patterson, *Roofline: an insightful visual
   performance model for multicore architectures*, Communications of the ACM, 2009.
 '''))

@@ -21,11 +21,16 @@ has one, and it soon becomes the largest thing in GPU memory, which is what labs
 - add a KV cache to the from-scratch decoder: the prompt fills it (*prefill*), each step appends one token (*decode*), with the right position ids and the right causal mask, for multi-head and grouped-query attention;
 - prove that cached generation gives exactly the tokens of uncached generation and of Hugging Face `generate`;
 - compute the size of the cache, and see it outgrow the model at long contexts;
-- measure the speedup, and weigh the compute saved against the memory spent.
+- measure the speedup, and weigh the compute saved against the memory spent, on your machine: on a
+  GPU, also with the decode step in a CUDA graph (lab 02), the way engines run it.
 
-**Time:** about 60 minutes. **Hardware:** everything runs on a laptop CPU in a few minutes. The
-last measurement (up to 256 new tokens without a cache) takes a few minutes on a CPU; with
-`COURSE_QUICK=1` it stops at 32 tokens.
+**Time:** about 2 hours: 30 minutes of reading, four problems (cached attention about 35 minutes,
+threading the cache through the model 20, the generate loop 20, the cache size 10), and about 5
+minutes of running on a laptop CPU (the last measurement, up to 256 new tokens without a cache, takes
+most of it; with `COURSE_QUICK=1` it stops at 32 tokens), about 2 minutes on a GPU. **Hardware:**
+everything runs on a CPU. On a GPU the model runs in bf16 and the last section adds two
+measurements only a GPU can make: the cache with its decode step in a CUDA graph, and Hugging Face's
+static cache with `torch.compile`.
 """),
 locked("colab_install", COLAB_INSTALL),
 locked("setup", SETUP),
@@ -905,19 +910,43 @@ model, decides how many requests an engine can serve at once (labs 04 and 05).
 
 Time both loops on the same prompt for a growing number of new tokens (median of a few runs after a
 warm-up, with `course.timing.benchmark`). Both produce the same tokens; only the work differs.
+
+On a GPU a third loop runs beside them: the same cache the way engines run it, with its decode
+step captured in a CUDA graph (lab 02). `course.engine.graphs.GreedyEngine` preallocates the cache
+(lab 04's slot cache: room for `max_len` tokens, no `torch.cat`), runs the prompt eagerly, then
+replays one captured decode step per token. It needs a GPU to be worth timing: on a CPU its graph is
+lab 02's stand-in, which saves nothing.
 """),
 code(r"""
-from course.timing import benchmark
+from course.engine.graphs import GreedyEngine
+from course.report import record
+from course.timing import benchmark, clock
 
-lengths = env.pick([16, 32, 64, 128, 256], [8, 16, 32])
-repeats = env.pick(3 if env.gpu else 1, 1)      # the uncached loop at 256 tokens takes minutes on a CPU: one run
+WHERE = f"{env.device}, {str(env.dtype).removeprefix('torch.')}"
+lengths = env.pick([16, 64, 256], [8, 16], cpu=[16, 32, 64, 128, 256])
+repeats = 1                                      # the uncached loop at 256 tokens takes minutes on a CPU: one run
 greedy_generate(model, prompt_ids, 4); cached_generate(cmodel, prompt_ids, 4)   # warm-up
-t_plain, t_cached = [], []
+loops = {"no cache": lambda n: greedy_generate(model, prompt_ids, n),
+         "your cache": lambda n: cached_generate(cmodel, prompt_ids, n)}
+if env.gpu:
+    engine = GreedyEngine(model, max_len=T0 + max(lengths))                     # captures its decode graph once
+    engine(prompt_ids, 4)                                                        # warm-up
+    loops["cache + CUDA graph"] = lambda n: engine(prompt_ids, n)
+times = {name: [] for name in loops}
 for n in lengths:
-    t_plain.append(benchmark(lambda: greedy_generate(model, prompt_ids, n), warmup=0, repeats=repeats, device=env.device).median)
-    t_cached.append(benchmark(lambda: cached_generate(cmodel, prompt_ids, n), warmup=0, repeats=repeats, device=env.device).median)
-    print(f"{n:4} new tokens: no cache {t_plain[-1]:7.2f} s, with cache {t_cached[-1]:6.2f} s, "
-          f"speedup {t_plain[-1] / t_cached[-1]:5.1f}x")
+    for name, run in loops.items():
+        times[name].append(benchmark(lambda: run(n), warmup=0, repeats=repeats, device=env.device).median)
+    print(f"{n:4} new tokens ({WHERE}): " + ", ".join(f"{name} {t[-1]:6.2f} s" for name, t in times.items())
+          + f"; your cache {times['no cache'][-1] / times['your cache'][-1]:4.1f}x faster than no cache")
+t_plain, t_cached = times["no cache"], times["your cache"]
+record("kv_cache_speedup_eager", t_plain[-1] / t_cached[-1], "x", "your cache vs no cache, eager steps: several x on a "
+       "CPU, growing with the new tokens; about 1x on a GPU (launch-bound)", device=env.device, dtype=env.dtype, new_tokens=lengths[-1])
+if env.gpu:
+    t_graph = times["cache + CUDA graph"]
+    print(f"with the decode step in a CUDA graph: {t_plain[-1] / t_graph[-1]:.1f}x faster than no cache, "
+          f"{t_cached[-1] / t_graph[-1]:.1f}x faster than your eager cache ({engine.describe()})")
+    record("kv_cache_speedup_graph", t_plain[-1] / t_graph[-1], "x", "the cache with a CUDA-graph decode step vs no "
+           "cache: >= 5x on a GPU", device=env.device, dtype=env.dtype, new_tokens=lengths[-1])
 """),
 md(r"""
 How much work did the cache remove? Nearly all FLOPs of a forward pass are matrix products, about
@@ -931,15 +960,18 @@ N = model.num_parameters()
 plain_tokens = [sum(T0 + t for t in range(n)) for n in lengths]      # the whole sequence, every step
 cached_tokens = [T0 + n - 1 for n in lengths]                        # prompt once, then one token per step
 flop_ratio = [p / c for p, c in zip(plain_tokens, cached_tokens)]
-speedup = [a / b for a, b in zip(t_plain, t_cached)]
+speedups = {name: [a / b for a, b in zip(t_plain, t)] for name, t in times.items() if name != "no cache"}
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
-ax1.plot(lengths, t_plain, "o-", color="#d62728", label="greedy_generate (no cache)")
-ax1.plot(lengths, t_cached, "s-", color="#1f77b4", label="your cached_generate")
-ax1.set_xlabel("new tokens"); ax1.set_ylabel("seconds"); ax1.set_title(f"Generation time, prompt of {T0} tokens", fontsize=10)
+styles = {"no cache": ("o-", "#d62728"), "your cache": ("s-", "#1f77b4"), "cache + CUDA graph": ("^-", "C2")}
+for name, t in times.items():
+    ax1.plot(lengths, t, styles[name][0], color=styles[name][1], label=name)
+ax1.set_xlabel("new tokens"); ax1.set_ylabel("seconds"); ax1.set_yscale("log")
+ax1.set_title(f"Generation time, prompt of {T0} tokens ({WHERE})", fontsize=10)
 ax2.plot(lengths, flop_ratio, "^--", color="gray", label="FLOPs saved: uncached / cached")
-ax2.plot(lengths, speedup, "o-", color="C2", label="measured speedup")
-for y, color in ((flop_ratio[-1], "gray"), (speedup[-1], "C2")):
+for name, sp in speedups.items():
+    ax2.plot(lengths, sp, styles[name][0], color=styles[name][1], label=f"measured speedup: {name}")
+for y, color in [(flop_ratio[-1], "gray")] + [(sp[-1], styles[name][1]) for name, sp in speedups.items()]:
     ax2.annotate(f"{y:.1f}x", (lengths[-1], y), textcoords="offset points", xytext=(6, 0), va="center", color=color)
 ax2.set_yscale("log", base=2); ax2.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}x"))
 ax2.set_xlabel("new tokens"); ax2.set_title("What the cache saves (log scale)", fontsize=10)
@@ -950,22 +982,84 @@ plt.show()
 
 n = lengths[-1]
 saved = 2 * N * (plain_tokens[-1] - cached_tokens[-1])
-cache_mb = kv_cache_bytes(cfg, cached_tokens[-1], bytes_per_value=4) / 1e6
-print(f"{n} new tokens after a {T0}-token prompt:")
+cache_mb = kv_cache_bytes(cfg, cached_tokens[-1], bytes_per_value=model.embed.weight.element_size()) / 1e6
+weights_mb = N * model.embed.weight.element_size() / 1e6
+print(f"{n} new tokens after a {T0}-token prompt ({WHERE}):")
 print(f"  tokens processed: {plain_tokens[-1]:,} without the cache, {cached_tokens[-1]:,} with it "
       f"-> {2 * N * plain_tokens[-1] / 1e12:.2f} vs {2 * N * cached_tokens[-1] / 1e12:.3f} TFLOP ({flop_ratio[-1]:.0f}x less compute)")
-print(f"  measured: {t_plain[-1]:.2f} s vs {t_cached[-1]:.2f} s -> {speedup[-1]:.1f}x faster")
-print(f"  memory spent: the final cache holds {cached_tokens[-1]} tokens = {cache_mb:.1f} MB (float32), "
-      f"{cache_mb / (4 * N / 1e6):.1%} of the weights; {saved / (cache_mb * 1e6) / 1e3:,.0f} kFLOP saved per byte of cache")
+print(f"  measured: {t_plain[-1]:.2f} s vs {t_cached[-1]:.2f} s -> your cache {speedups['your cache'][-1]:.1f}x faster; "
+      f"from {speedups['your cache'][0]:.1f}x at {lengths[0]} new tokens")
+print(f"  memory spent: the final cache holds {cached_tokens[-1]} tokens = {cache_mb:.1f} MB, "
+      f"{cache_mb / weights_mb:.1%} of the weights; {saved / (cache_mb * 1e6) / 1e3:,.0f} kFLOP saved per byte of cache")
 """),
 md(r"""
-Read your numbers against the gray line. The speedup grows with the number of new tokens: the
-uncached loop's passes get longer at every step, the cached loop's stay at one token. But it stays far
-below the FLOP ratio. A decode step does the arithmetic of one token, yet
-it still reads every weight from memory, so it costs much more than its FLOPs suggest; and a pass over
-a dozen tokens reads the same weights once for all of them (lab 02: decode is memory-bound). The
-cache removes compute that grows with the **square** of the length, and pays with memory that grows
-**linearly** with it. Try a prompt of a few hundred tokens: every uncached step becomes a long prefill.
+Read your numbers against the gray line: the compute the cache removes grows with the number of new
+tokens, because the uncached loop's passes get longer at every step while the cached loop's stay at
+one token. Whether that compute was what took the time depends on your machine:
+
+- **On a CPU** it was. Your measured speedup grows with the new tokens (several-fold at 256). It
+  stays far below the FLOP ratio, though: a decode step does the arithmetic of one token, yet it
+  still reads every weight from memory, so it costs much more than its FLOPs suggest, while a pass
+  over a few dozen tokens reads the same weights once for all of them (lab 02: decode is memory-bound).
+- **On a GPU**, with eager steps, your cache barely helps (close to 1x): a step over one token and a
+  step over a few hundred launch the same thousand kernels, and lab 02 showed that the launches are
+  the step. The saving is real but hidden. Capture the decode step in a CUDA graph and it appears:
+  the green line, several times faster than no cache (about 10x at 256 tokens on an H100). What is
+  left of each graph step is a thousand tiny kernels, still far above the roofline.
+
+The cache removes compute that grows with the **square** of the length, and pays with memory that
+grows **linearly** with it. Try a prompt of a few hundred tokens: every uncached step becomes a long
+prefill.
+
+### Against Hugging Face (GPU)
+
+`transformers` offers both kinds of cache: its default dynamic cache grows like yours, and a static
+cache allocated once for the whole generation, with fixed shapes, which `generate` then runs through
+`torch.compile` (and CUDA graphs) on a GPU. One sequence, batch 1, same model and dtype, in tokens
+per second:
+"""),
+code(r"""
+if env.gpu and not env.quick:
+    hf_bf = course.load_hf_model(device=env.device, dtype=env.dtype)      # the same weights, in the engine's dtype
+    n_hf = 128
+
+    def hf_generate(**kwargs):
+        return hf_bf.generate(prompt_ids, max_new_tokens=n_hf, min_new_tokens=n_hf, do_sample=False, **kwargs)
+
+    per_s = {}
+    per_s["HF generate (dynamic cache)"] = n_hf / benchmark(hf_generate, warmup=1, repeats=1, device=env.device).median
+    try:
+        start = clock(env.device)
+        hf_generate(cache_implementation="static"); hf_generate(cache_implementation="static")   # compile, record graphs
+        print(f"HF static cache + torch.compile: {clock(env.device) - start:.0f} s before its first fast run")
+        per_s["HF static cache + torch.compile"] = n_hf / benchmark(lambda: hf_generate(cache_implementation="static"),
+                                                                      warmup=0, repeats=2, device=env.device).median
+    except Exception as e:  # noqa: BLE001 - a GPU without a working compiler still gets the rest
+        print(f"HF static cache + torch.compile did not run here ({type(e).__name__}: {str(e)[:120]})")
+    per_s["your cache, eager"] = n_hf / benchmark(lambda: cached_generate(cmodel, prompt_ids, n_hf), warmup=0,
+                                                  repeats=1, device=env.device).median
+    per_s["course engine: cache + CUDA graph"] = n_hf / benchmark(lambda: engine(prompt_ids, n_hf), warmup=1, repeats=2,
+                                                                  device=env.device).median
+    for name, v in per_s.items():
+        print(f"  {name:36} {v:7.0f} tokens/s  ({WHERE}, batch 1, {n_hf} new tokens)")
+    record("engine_batch1_tokens_per_s", per_s["course engine: cache + CUDA graph"], "tokens/s",
+           "the course engine's batch-1 decode (CUDA graph) >= HF static cache + torch.compile", device=env.device,
+           dtype=env.dtype)
+    for key, name in (("hf_dynamic_tokens_per_s", "HF generate (dynamic cache)"),
+                      ("hf_static_compile_tokens_per_s", "HF static cache + torch.compile")):
+        if name in per_s:
+            record(key, per_s[name], "tokens/s", name + ", batch 1", device=env.device, dtype=env.dtype)
+elif env.gpu:
+    print("Full mode only: compiling Hugging Face's static-cache generate takes tens of seconds.")
+else:
+    print("GPU only: a CPU has no CUDA graphs, and transformers does not compile generate there.")
+"""),
+md(r"""
+On a GPU, the first two lines are the two ideas of this section in someone else's code: a dynamic
+cache run eagerly is launch-bound like yours; a static cache with fixed shapes can be captured and
+compiled, and runs several times faster (about 300 tokens/s measured on an H100 in bf16). The
+course's engine gets there with a plain CUDA graph over a preallocated cache. Labs 04-06 build
+their engines on the same path.
 
 ## Summary
 
@@ -977,11 +1071,13 @@ cache removes compute that grows with the **square** of the length, and pays wit
   several new tokens after a past (`is_causal=True` is top-left: wrong with a cache).
 - With GQA, cache the `n_kv_head` heads and repeat them only for the product.
 - Size: `n_layer × 2 × n_kv_head × head_dim × tokens × batch × bytes`; at long contexts it outgrows the model.
-- Cached generation gives the same tokens; it trades memory for compute.
+- Cached generation gives the same tokens; it trades memory for compute. Whether the compute saved
+  shows up as time depends on what limits a step: on a CPU it does at once; on a GPU, a small model's
+  step is bound by kernel launches until a CUDA graph removes them (lab 02).
 
 **Questions** (from the workshop this course grew from)
 1. Why do we cache K and V? Why not the queries, or the outputs of each layer?
-2. What do we save, compute or memory? What do we spend? Use your measured numbers.
+2. What do we save, compute or memory? What do we spend? Use your measured numbers. On your machine, did the saving show up as time with eager steps? With a graph?
 3. How are the prefill and decode phases different once there is a cache? What shape do Q, K and V have in each?
 4. What can we do if we run out of memory for the cache? List at least three options, and what each costs.
 5. Your cache grows with `torch.cat`, which allocates a new tensor and copies the whole old cache at every step. How many bytes does that copy in total for $n$ tokens? How would you avoid it?

@@ -28,10 +28,13 @@ in every serving engine (vLLM, SGLang, TGI), and you will build it today.
 - measure what a batch costs: the time of one decode step at batch 1 and batch 8;
 - build a static batch: left padding, the attention mask, position ids that skip the pads, and a generate loop for many prompts at once that equals generating each prompt alone;
 - build continuous batching: a first-come-first-served scheduler that admits waiting requests into free cache slots and retires finished ones, and the engine step that runs them;
-- watch both schedules on a batch timeline, and measure their throughput and latency, against each other, against the batch size, and against Hugging Face `generate`.
+- watch both schedules on a batch timeline, and measure their throughput and latency, against each other, against the batch size, and against Hugging Face `generate`; on a GPU, also with the decode steps in CUDA graphs (lab 02).
 
-**Time:** about 75 minutes. **Hardware:** everything runs on a laptop CPU (the measurements are
-sized down there); a GPU is used when there is one, with larger workloads.
+**Time:** about 2 hours 15 minutes: 35 minutes of reading, four problems (left padding about 20
+minutes, static batching 30, the scheduler 25, the engine step 30), and 3-5 minutes of running on a
+laptop CPU (about 2 minutes on a GPU). **Hardware:** everything runs on a CPU, with the
+measurements sized down there; on a GPU the model runs in bf16, the workloads are larger, and the
+engine's decode steps can run from CUDA graphs.
 """),
 locked("colab_install", COLAB_INSTALL),
 locked("setup", SETUP),
@@ -96,42 +99,60 @@ goes into reading the weights, and a batch reads them once for all its rows.
 """),
 code(r"""
 import matplotlib.pyplot as plt
+from course.engine import capture_decode_graphs
+from course.report import record
 from course.timing import benchmark
 
-def decode_step_seconds(B, prompt, repeats):
-    '''Median seconds of one decode step for B requests, each in its own slot after the same prompt.'''
-    cache = SlotKVCache(model.cfg, n_slots=B, max_len=len(prompt) + 64, device=dev)
+WHERE = f"{dev}, {str(env.dtype).removeprefix('torch.')}"
+
+def decode_step_seconds(B, prompt, repeats, graphs=False):
+    '''Median seconds of one decode step for B requests, each in its own slot after the same prompt;
+    with `graphs`, the step replays a CUDA graph captured for batch B (lab 02).'''
+    cache = SlotKVCache(model.cfg, n_slots=B, max_len=len(prompt) + 64, dtype=model.dtype, device=dev)
     slots = torch.arange(B, device=dev)
     T = len(prompt)
     forward_cached(model, torch.tensor([prompt] * B, device=dev), torch.arange(T, device=dev).expand(B, T), cache, slots)
+    if graphs:
+        capture_decode_graphs(model, cache, B, buckets=[B])       # forward_cached now replays it for (B, 1) calls
     ids, pos = torch.full((B, 1), prompt[-1], device=dev), torch.full((B, 1), T, device=dev)
     def step():
         forward_cached(model, ids, pos, cache, slots)
         cache.lengths[slots] = T          # rewind, so every timed step sees the same context length
     return benchmark(step, warmup=1, repeats=repeats, device=dev).median
 
-batch_sizes = env.pick([1, 2, 4, 8, 16, 32], [1, 2, 4, 8])
-step_s = [decode_step_seconds(B, prompt, repeats=env.pick(7, 3)) for B in batch_sizes]
-for B, s in zip(batch_sizes, step_s):
-    print(f"batch {B:>2}: {s * 1e3:6.1f} ms per step, {B / s:7.1f} tokens/s")
+batch_sizes = env.pick([1, 2, 4, 8, 16, 32, 64], [1, 2, 4, 8], cpu=[1, 2, 4, 8, 16, 32])
+modes = {"eager": False, "CUDA graph": True} if env.gpu else {"eager": False}   # a CPU has no launches to remove
+step_s = {mode: [decode_step_seconds(B, prompt, repeats=env.pick(7, 3), graphs=g) for B in batch_sizes]
+          for mode, g in modes.items()}
+for i, B in enumerate(batch_sizes):
+    print(f"batch {B:>2} ({WHERE}): " + " | ".join(f"{mode} {s[i] * 1e3:6.1f} ms per step, {B / s[i]:8.1f} tokens/s"
+                                                  for mode, s in step_s.items()))
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
-ax1.plot(batch_sizes, [s * 1e3 for s in step_s], "o-"); ax1.set_ylim(bottom=0)
-ax1.set_xlabel("batch size"); ax1.set_ylabel("ms per decode step"); ax1.set_title("One step")
-ax2.plot(batch_sizes, [B / s for B, s in zip(batch_sizes, step_s)], "o-", color="C2"); ax2.set_ylim(bottom=0)
-ax2.set_xlabel("batch size"); ax2.set_ylabel("tokens / s"); ax2.set_title("Throughput")
+for mode, s in step_s.items():
+    ax1.plot(batch_sizes, [x * 1e3 for x in s], "o-", label=mode)
+    ax2.plot(batch_sizes, [B / x for B, x in zip(batch_sizes, s)], "o-", label=mode)
+ax1.set_ylim(bottom=0); ax1.set_xlabel("batch size"); ax1.set_ylabel("ms per decode step"); ax1.set_title(f"One step ({WHERE})")
+ax2.set_ylim(bottom=0); ax2.set_xlabel("batch size"); ax2.set_ylabel("tokens / s"); ax2.set_title("Throughput")
 for ax in (ax1, ax2):
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3); ax.legend(fontsize=8)
 plt.tight_layout(); plt.show()
 i8 = batch_sizes.index(8)
-print(f"batch 8 costs {step_s[i8] / step_s[0]:.1f}x the time of batch 1 per step, "
-      f"for {(8 / step_s[i8]) / (1 / step_s[0]):.1f}x the tokens per second")
+for mode, s in step_s.items():
+    print(f"{mode}: batch 8 costs {s[i8] / s[0]:.1f}x the time of batch 1 per step, "
+          f"for {(8 / s[i8]) / (1 / s[0]):.1f}x the tokens per second")
+    record(f"batch8_throughput_gain_{mode.split()[0].lower()}", (8 / s[i8]) / (1 / s[0]), "x",
+           "a decode step for 8 requests costs far less than 8 steps for one", device=dev, dtype=env.dtype)
 """),
 md(r"""
 The step time grows far more slowly than the batch, so tokens per second climb with it. Serving one
 request at a time would leave most of that on the table. How far does it go? Until the arithmetic
-of the batch catches up with the weight reads: lab 02's ridge point. A GPU has far more arithmetic
-per byte of bandwidth than a CPU, so there the step time stays flat to much larger batches.
+of the batch catches up with whatever else dominates a step. On a CPU that is the weight reads
+(lab 02's ridge point). On a GPU, for this small model, it is first the kernel launches (lab 02,
+section 3): the eager step costs about the same at batch 1 and batch 32 because launching its
+kernels takes longer than running them. With the decode step in a CUDA graph (the second line on a
+GPU) the launches are gone, and the step stays flat until the batch's own work grows. Either way
+the lesson holds, and your numbers say by how much.
 
 So: batch. The rest of the lab is about *which* requests share a batch, and when.
 
@@ -614,7 +635,10 @@ order), a **trace**, and the time at the end of each step. The trace is what the
 draws: one dict per engine step, `{request id: state}`, with the states `"waiting"`, `"prefill"`,
 `"decode"` and `"padding"` (a request is left out before it arrives and after it leaves).
 
-- `continuous_generate` drives your `engine_step` until no work is left.
+- `continuous_generate` drives your `engine_step` until no work is left. With `graphs=True` it first
+  captures the decode step in CUDA graphs, one per batch bucket (1, 2, 4, 8, ...: lab 02) over the
+  cache's slots; your `engine_step` does not change: its decode call to `forward_cached` then
+  replays the graph of the smallest bucket that holds the batch, padded, and its prefills run as before.
 - `static_serve` is static batching as a server would run it: whenever the engine is free, it takes
   up to `max_batch_size` requests that have arrived, in arrival order, and runs them to the end with
   your `static_generate`. Its trace is rebuilt from the outputs (every row is prefilled at the batch's
@@ -622,6 +646,7 @@ draws: one dict per engine step, `{request id: state}`, with the states `"waitin
   times come from a hook on the model's last layer, which runs once per forward pass.
 """),
 locked("engines", r'''
+from course.engine import capture_decode_graphs
 from course.timing import clock
 from course.widgets.batch_timeline import timeline_stats
 
@@ -651,13 +676,21 @@ def _check_requests(requests):
         raise ValueError("requests must be fresh Request objects with distinct rids (make new ones for each run)")
 
 
-def continuous_generate(model, requests: list[Request], max_batch_size: int, eos_token_id: int | None = None) -> Run:
+def continuous_generate(model, requests: list[Request], max_batch_size: int, eos_token_id: int | None = None,
+                        graphs: bool = False) -> Run:
     _check_requests(requests)
     sched = Scheduler(requests, max_batch_size, eos_token_id)
     max_len = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
-    cache = SlotKVCache(model.cfg, n_slots=max_batch_size, max_len=max_len, device=model.device)
+    cache = SlotKVCache(model.cfg, n_slots=max_batch_size, max_len=max_len, dtype=model.dtype, device=model.device)
+    if graphs:                                  # decode steps (B, 1) replay CUDA graphs, one per batch bucket (lab 02)
+        capture_decode_graphs(model, cache, max_batch_size)
     trace, times, start, step = [], [], clock(model.device), 0
+    # Every step either waits for an arrival or gives a running request a token: more steps than this is a bug
+    limit = max(r.arrival for r in requests) + sum(r.max_new_tokens for r in requests) + len(requests) + 1
     while sched.has_work():
+        if step >= limit:
+            raise RuntimeError(f"the engine ran {step} steps without finishing {len(requests)} requests: "
+                               "does has_work() turn False, and does every step give running requests a token?")
         states = engine_step(model, cache, sched, step)
         states.update({r.rid: "waiting" for r in sched.waiting if r.arrival <= step})
         trace.append(states)
@@ -874,7 +907,19 @@ def step_ms(run, with_prefill):  # mean duration of the steps that hold (or do n
     d = [ends[t + 1] - ends[t] for t, st in enumerate(run.trace) if st and ("prefill" in st.values()) == with_prefill]
     return 1e3 * np.mean(d) if d else float("nan")
 print(f"continuous steps with a prefill took {step_ms(runs['continuous'], True):.0f} ms on average, "
-      f"steps with decodes only {step_ms(runs['continuous'], False):.0f} ms")
+      f"steps with decodes only {step_ms(runs['continuous'], False):.0f} ms ({WHERE})")
+record("continuous_vs_static_throughput", c["tok_s"] / s["tok_s"], "x", "continuous batching: more throughput than "
+       "static batching on the same requests", device=dev, dtype=env.dtype, max_batch_size=B)
+record("continuous_vs_static_mean_latency", s["lat_s"] / c["lat_s"], "x", "continuous batching: lower mean latency",
+       device=dev, dtype=env.dtype, max_batch_size=B)
+if env.gpu:                                      # the same engine, its decode steps replayed from CUDA graphs
+    graphed = continuous_generate(model, workload(), B, graphs=True)
+    gs = summary(graphed)
+    print(f"continuous, decode steps in CUDA graphs: {gs['seconds']:.2f} s, {gs['tok_s']:.1f} tokens/s "
+          f"({gs['tok_s'] / c['tok_s']:.1f}x eager continuous); same tokens as eager: "
+          f"{sum(a == b for a, b in zip(graphed.outputs, runs['continuous'].outputs))}/{n_requests} requests")
+    record("continuous_graphs_vs_eager_throughput", gs["tok_s"] / c["tok_s"], "x",
+           "the continuous engine with CUDA-graph decode steps vs eager", device=dev, dtype=env.dtype, max_batch_size=B)
 """),
 md(r"""
 The step counts are exact (they depend only on the lengths and the schedule); the seconds carry the
@@ -883,7 +928,9 @@ slots full, so the same tokens take fewer forward passes. **Shorter waits**: a r
 waits for the longest request of the batch ahead of it. One cost goes the other way, and the last
 line shows its size: a continuous step that admits a newcomer also runs its prefill, and every
 running request waits for it. Static batching pays for all prefills of a batch in one pass.
-(Chunked prefill, below, bounds that cost.)
+(Chunked prefill, below, bounds that cost.) On a GPU the last line compares the same continuous
+engine with its decode steps in CUDA graphs: the schedule and the tokens are the same, each decode
+step is several times cheaper, and the prefills, which stay eager, become a larger share of the time.
 
 ### Throughput against latency, as the batch grows
 
@@ -894,20 +941,23 @@ request's first token to its last, divided by the gaps) goes up. Sweep the batch
 """),
 code(r"""
 sweep = env.pick([1, 2, 4, 8, 16], [2, 4, 8], cpu=[1, 2, 4, 8])   # quick: no batch of 1 (serial, the slowest run)
-curves = {"static": [], "continuous": []}
+curves = {"static": [], "continuous": []} | ({"continuous + CUDA graphs": []} if env.gpu else {})
+engines = {"static": static_serve, "continuous": continuous_generate,
+           "continuous + CUDA graphs": lambda m, w, b: continuous_generate(m, w, b, graphs=True)}
 for b in sweep:
-    for name, engine in (("static", static_serve), ("continuous", continuous_generate)):
-        run = runs[name] if b == B else engine(model, workload(), b)
+    for name in curves:
+        run = runs[name] if b == B and name in runs else engines[name](model, workload(), b)
         curves[name].append(summary(run))
     print(f"max_batch_size {b:>2}: " + " | ".join(
         f"{n} {curves[n][-1]['tok_s']:5.1f} tok/s, {curves[n][-1]['tpot_ms']:4.0f} ms per token, "
         f"mean latency {curves[n][-1]['lat_s']:5.2f} s" for n in curves))
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
-for name, color in (("static", "C3"), ("continuous", "C0")):
-    ax1.plot(sweep, [r["tok_s"] for r in curves[name]], "o-", color=color, label=name)
-    ax2.plot(sweep, [r["tpot_ms"] for r in curves[name]], "o-", color=color, label=name)
-ax1.set_ylabel("tokens / s (all requests)"); ax1.set_title("Throughput: what the server gets")
+for name, color in (("static", "C3"), ("continuous", "C0"), ("continuous + CUDA graphs", "C2")):
+    if name in curves:
+        ax1.plot(sweep, [r["tok_s"] for r in curves[name]], "o-", color=color, label=name)
+        ax2.plot(sweep, [r["tpot_ms"] for r in curves[name]], "o-", color=color, label=name)
+ax1.set_ylabel("tokens / s (all requests)"); ax1.set_title(f"Throughput: what the server gets ({WHERE})")
 ax2.set_ylabel("ms between two tokens of a request"); ax2.set_title("Time per output token: what a user feels")
 for ax in (ax1, ax2):
     ax.set_xscale("log", base=2); ax.set_xticks(sweep, [str(b) for b in sweep]); ax.set_xlabel("max batch size")
@@ -925,7 +975,9 @@ about the total. At the larger batch sizes, continuous steps are slower than sta
 is busy, and newcomers' prefills ride along. (The mean request latency printed above behaves
 differently: all requests arrive at once, so most of their latency is queueing for a slot, and
 more slots cut it.) On a busy machine the seconds jump around from run to run; if a curve zigzags,
-run the cell again. The step counts never change.
+run the cell again. The step counts never change. On a GPU, where an eager step of this model is
+launch-bound, the eager curves climb almost in proportion to the batch (a step costs about the same
+at every size); the CUDA-graph curve sits above them, and is where a server would run.
 
 ### Against Hugging Face `generate`
 
@@ -977,6 +1029,8 @@ throughput of Hugging Face transformers, much of it from fitting more requests i
   in one forward pass, each at its own position in its own cache slot.
 - Both give every request exactly the tokens it would get alone; only time changes.
 - `max_batch_size` trades latency for throughput; continuous batching moves the whole curve.
+- On a GPU, a small model's eager decode step is bound by kernel launches (lab 02); engines replay
+  their decode steps from CUDA graphs, one per batch bucket, and the scheduling gains above remain.
 
 **Questions** (the workshop's "let's summarize batching", and a few more)
 1. What are the two types of batching? What decides the batch in each, and how often?

@@ -70,8 +70,9 @@ build its memory manager and run an engine on it; lab 06 writes the GPU kernels 
 - watch the blocks on a widget, and measure memory waste, requests that fit, and throughput.
 
 **Time:** about 3 hours: 40 minutes of reading, four problems of 30-45 minutes each (the allocator
-and the block policy take longest), a few minutes of running. **Hardware:** everything runs on a
-laptop CPU in a few minutes; on a GPU the same cells use it, with the model in bf16.
+and the block policy take longest), and 3-5 minutes of running on a laptop CPU (about 2 minutes on a
+GPU). **Hardware:** everything runs on a laptop CPU; on a GPU the same cells use it, with the model
+in bf16, and the throughput measurement adds the engines with their decode steps in CUDA graphs (lab 02).
 """),
 locked("colab_install", COLAB_INSTALL),
 locked("setup", SETUP),
@@ -791,23 +792,29 @@ newcomers unless someone was just preempted (the pool is full: do not make it wo
 copy-on-write blocks; prefill each newcomer (its first token, or its next one after a recompute);
 decode all the others in one forward pass; retire finished requests and free their blocks. It
 records a snapshot of every block table for the widget. `contiguous_generate` is lab 04's engine on
-the slot cache, for comparison: the same schedule, with `max_len` slots reserved per request.
+the slot cache, for comparison: the same schedule, with `max_len` slots reserved per request. Both
+run their decode steps eagerly here; section 5 turns on CUDA graphs.
 """),
 locked("engines", r'''
 from course.engine import paged_engine
-from course.engine.paged_engine import Run, contiguous_generate
+from course.engine.paged_engine import Run
 
 
 def paged_generate(model, requests, max_batch_size, n_blocks, block_size, *, allocator=None, store=None,
-                   attention=None, eos_token_id=None) -> Run:
+                   attention=None, eos_token_id=None, graphs=False) -> Run:
     """The engine of course/engine/paged_engine.py with YOUR pieces: your SharedBlockAllocator (unless
     another allocator is given), your admit and reserve_decode, your write_kv and paged_attention_ref
-    (unless a store or attention function is given)."""
+    (unless a store or attention function is given). Decode steps eager unless `graphs` (section 5)."""
     return paged_engine.paged_generate(
         model, requests, max_batch_size, n_blocks, block_size,
         allocator=allocator if allocator is not None else SharedBlockAllocator(n_blocks, block_size),
         admit=admit, reserve_decode=reserve_decode, write_kv=store or write_kv,
-        attention=attention or paged_attention_ref, eos_token_id=eos_token_id)
+        attention=attention or paged_attention_ref, eos_token_id=eos_token_id, graphs=graphs)
+
+
+def contiguous_generate(model, requests, max_batch_size, max_len, eos_token_id=None, graphs=False) -> Run:
+    """Lab 04's engine on the slot cache (course/engine/paged_engine.py); decode steps eager unless `graphs`."""
+    return paged_engine.contiguous_generate(model, requests, max_batch_size, max_len, eos_token_id, graphs=graphs)
 '''),
 code(r"""
 # 6 requests, at most 4 at a time, and a pool of only 8 blocks of 4 tokens: too small for all of them.
@@ -1050,28 +1057,83 @@ throughput. That, more than anything in the kernel, is where vLLM's 2-4x over ea
 ### Throughput of the paged engine
 
 The same requests through both engines, with room for all of them (no preemption): this measures
-the cost of the paging itself on this machine. The paged engine gathers each sequence's keys and
-values through its block table with your PyTorch reference, one sequence at a time, into a new
-tensor, at every layer of every step; the contiguous engine reads its slots where they are. Compare
-the two numbers you get. Lab 06 replaces the gather with a kernel that reads the blocks in place.
+the cost of the paging itself on this machine, with decode steps run eagerly in both. The paged
+engine gathers each sequence's keys and values through its block table with your PyTorch
+reference, one sequence at a time, into a new tensor, at every layer of every step; the contiguous
+engine reads its slots where they are. Compare the two numbers you get. Lab 06 replaces the gather
+with a kernel that reads the blocks in place.
+
+On a GPU two more rows run the engines the way a server would, with their decode steps replayed
+from CUDA graphs (lab 02): the contiguous engine, and the paged engine with the course's batched
+PyTorch attention (`course.engine.paged_attention`: all sequences at once, lengths masked on the
+device). Why not with your reference? See the cell after this one.
 """),
 code(r"""
 texts = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived", "def fibonacci(n):",
          "The three primary colors are", "My trip to Yosemite was", "Explain why the sky is blue in one sentence:",
          "A haiku about autumn leaves:", "The quick brown fox"]
-n_req, new_tokens, B = env.pick((16, 48, 8), (3, 4, 3), cpu=(8, 24, 8))
+from course.report import record
+
+n_req, new_tokens, B = env.pick((32, 64, 16), (3, 4, 3), cpu=(8, 24, 8))
 def workload():
     return [Request(i, tokenizer(texts[i % len(texts)]).input_ids, new_tokens) for i in range(n_req)]
 max_len = max(len(r.prompt) for r in workload()) + new_tokens
+n_blocks = B * -(-max_len // 16)
 contiguous_generate(model, workload()[:2], 2, max_len)                          # warm-up
 runs = {"contiguous": contiguous_generate(model, workload(), B, max_len),
-        "paged (PyTorch reference)": paged_generate(model, workload(), B, n_blocks=B * -(-max_len // 16), block_size=16)}
-same = runs["contiguous"].outputs == runs["paged (PyTorch reference)"].outputs
+        "paged (your reference)": paged_generate(model, workload(), B, n_blocks=n_blocks, block_size=16)}
+if env.gpu:
+    runs["contiguous + CUDA graphs"] = contiguous_generate(model, workload(), B, max_len, graphs=True)
+    runs["paged (batched attention) + CUDA graphs"] = paged_engine.paged_generate(model, workload(), B, n_blocks, 16,
+                                                                                  graphs=True)
+same = runs["contiguous"].outputs == runs["paged (your reference)"].outputs
 print(f"{n_req} requests x {new_tokens} new tokens, batches of up to {B}, {env.dtype} on {dev}; same tokens: {same}")
 for name, run in runs.items():
-    print(f"{name:>26}: {run.throughput:6.1f} tokens/s")
+    print(f"{name:>40}: {run.throughput:7.1f} tokens/s  [{run.graphs}]")
+ratio = runs["paged (your reference)"].throughput / runs["contiguous"].throughput
+print(f"paged with your reference, eager: {ratio:.2f}x the contiguous engine's throughput")
+record("paged_ref_vs_contiguous_eager", ratio, "x", "paging with a per-sequence PyTorch gather costs throughput "
+       "(both engines eager)", device=dev, dtype=env.dtype)
+if env.gpu:
+    r_graph = runs["paged (batched attention) + CUDA graphs"].throughput / runs["contiguous + CUDA graphs"].throughput
+    print(f"with CUDA graphs: paged (batched attention) {r_graph:.2f}x the contiguous engine's throughput")
+    record("paged_vs_contiguous_graphs", r_graph, "x", "paged (batched PyTorch attention) vs contiguous, both with "
+           "CUDA-graph decode steps", device=dev, dtype=env.dtype)
 """),
 md(r"""
+Can your reference run inside a CUDA graph? Try to capture it: `course.engine.StepGraph` refuses, on
+a GPU as on a CPU, anything a graph cannot replay.
+"""),
+code(r"""
+from course.engine import GraphCaptureError, StepGraph, paged_attention
+
+q = torch.randn(2, cfg.n_head, cfg.head_dim, device=dev)
+kc = torch.randn(4, 16, cfg.n_kv_head, cfg.head_dim, device=dev)
+vc = torch.randn(4, 16, cfg.n_kv_head, cfg.head_dim, device=dev)
+tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=dev)
+lens = torch.tensor([20, 9], dtype=torch.int32, device=dev)
+for name, fn in (("your paged_attention_ref", paged_attention_ref), ("course.engine.paged_attention", paged_attention)):
+    try:
+        StepGraph(dev).capture(lambda: fn(q, kc, vc, tables, lens, cfg.head_dim ** -0.5))
+        print(f"{name}: captured")
+    except GraphCaptureError as e:
+        print(f"{name}: cannot be captured. {str(e)[:160]}")
+"""),
+md(r"""
+A reference that loops over the sequences and reads each one's length on the host (`int(...)`)
+decides how much to gather in Python: a graph, which replays device work with fixed shapes, has no
+Python to ask. The batched version gathers every sequence's full block table and masks what lies past
+its length on the device, so its shapes never change. (It pays for that by reading up to the longest
+table for every sequence; lab 06's kernels read exactly each sequence's blocks, and a graph captures
+them too.)
+
+Read your rows. Eager on a CPU, your ratio is the price of the per-sequence gather and its copies,
+which are real work there (usually a loss of a few to a few tens of percent; with very few requests,
+as in quick mode, the noise of a busy machine can hide it). On a GPU, the eager rows mostly measure kernel launches: a decode step of
+this model is launch-bound (lab 02), and your reference adds a Python loop and a host read per
+sequence and layer. With graphs, each engine's step is one replay, several times faster, and what
+remains is the kernels' own cost.
+
 ## Summary
 
 - A contiguous cache reserves `max_len` slots per request; on a realistic workload most of them never
@@ -1084,7 +1146,9 @@ md(r"""
 - When blocks run out the engine **holds back** new requests, and **preempts** the newest running one,
   **recomputing** its cache later; outputs do not change, only time does.
 - Paging is memory management: it lets more requests run at once. Reading the blocks fast is a
-  kernel's job: lab 06.
+  kernel's job: lab 06. So is reading them without asking the host: a reference that reads each
+  sequence's length with `int(...)` cannot be captured in a CUDA graph, and on a GPU the decode
+  step of a small model is launch-bound without one (lab 02).
 
 **Questions**
 1. How much memory does a contiguous cache take for one request at 8k context on SmolLM2 (fp16)? At

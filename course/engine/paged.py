@@ -92,7 +92,24 @@ def forward_paged(model: Decoder, input_ids: torch.Tensor, position_ids: torch.T
         T tokens (nothing else is cached yet).
     decode, (B, 1): one new token per sequence; its key/value goes to slot_mapping[b], then its
         query attends to its first context_lens[b] tokens through block_tables[b] (B, max_blocks).
+
+    When the cache carries CUDA graphs of the decode step (`course.engine.graphs.capture_decode_graphs`,
+    captured with these write_kv and attention), a decode call replays one instead; its logits are
+    then a static buffer, overwritten by the next call: read them before that.
     """
+    graphs = getattr(cache, "graphs", None)
+    if graphs is not None:
+        return graphs(model, input_ids, position_ids, cache, slot_mapping, block_tables, context_lens,
+                      write_kv=write_kv, attention=attention)
+    return forward_paged_eager(model, input_ids, position_ids, cache, slot_mapping, block_tables, context_lens,
+                               write_kv=write_kv, attention=attention)
+
+
+@torch.no_grad()
+def forward_paged_eager(model: Decoder, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PagedKVCache,
+                        slot_mapping: torch.Tensor, block_tables: torch.Tensor | None, context_lens: torch.Tensor | None,
+                        *, write_kv: Callable, attention: Callable) -> torch.Tensor:
+    """forward_paged, op by op (no graph): what every call does when the cache has no graphs."""
     cfg = model.cfg
     check_ids(input_ids, position_ids, cfg)
     B, T = input_ids.shape

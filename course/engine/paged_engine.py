@@ -7,7 +7,9 @@ the slot cache (`contiguous_generate`) to compare it with.
 
 Every piece of a step can be swapped for the lab's own: the allocator, the admission and decode
 reservation policies, and the two functions the model calls on the pool (`write_kv`, `attention`;
-lab 06 passes its Triton kernels). One step: reserve a slot for every running request's newest
+lab 06 passes its Triton kernels). `graphs` (default: on a GPU) captures the decode step in CUDA
+graphs, one per batch bucket (course/engine/graphs.py, lab 02): prefills stay eager, and a step
+that cannot be captured (a function that reads a value on the host) runs eagerly, as `run.graphs` says. One step: reserve a slot for every running request's newest
 token (preempting the newest when the pool is dry); admit newcomers unless someone was just
 preempted; run pending copy-on-write copies; prefill each newcomer (prompt + any output it already
 had); decode the others together; retire finished requests.
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from course.engine.block_manager import BlockAllocator, OutOfBlocks
+from course.engine.graphs import capture_decode_graphs
 from course.engine.paged import PagedKVCache, block_table_tensor, forward_paged
 from course.engine.paged_ops import paged_attention, write_kv
 from course.engine.runner import forward_cached
@@ -101,6 +104,7 @@ class Run:
     snapshots: list[dict] = field(default_factory=list)   # per step: rid -> (block table, token ids)
     events: list[str] = field(default_factory=list)       # per step: what happened
     preemptions: int = 0
+    graphs: str = "eager"                                 # how decode steps ran: eager, or graphs for which batch sizes
 
     @property
     def throughput(self) -> float:
@@ -121,8 +125,10 @@ def _check_requests(requests: list[Request]) -> None:
 def paged_generate(model, requests: list[Request], max_batch_size: int, n_blocks: int, block_size: int, *,
                    allocator: BlockAllocator | None = None, admit: Callable = admit,
                    reserve_decode: Callable = reserve_decode, write_kv: Callable = write_kv,
-                   attention: Callable = paged_attention, eos_token_id: int | None = None) -> Run:
-    """Greedy continuous batching over a paged cache of n_blocks blocks of block_size tokens."""
+                   attention: Callable = paged_attention, eos_token_id: int | None = None,
+                   graphs: bool | None = None) -> Run:
+    """Greedy continuous batching over a paged cache of n_blocks blocks of block_size tokens;
+    decode steps in CUDA graphs when `graphs` (None: when the model is on a GPU)."""
     _check_requests(requests)
     dev, fns = model.device, dict(write_kv=write_kv, attention=attention)
     alloc = allocator if allocator is not None else BlockAllocator(n_blocks, block_size)
@@ -130,6 +136,11 @@ def paged_generate(model, requests: list[Request], max_batch_size: int, n_blocks
         raise ValueError(f"allocator has {alloc.n_blocks} blocks of {alloc.block_size}; the cache {n_blocks} of {block_size}")
     queues = Queues(requests, max_batch_size)
     cache = PagedKVCache(model.cfg, n_blocks, block_size, dtype=model.dtype, device=dev)
+    runner = None
+    if _use_graphs(graphs, model):
+        longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        runner = capture_decode_graphs(model, cache, max_batch_size, max_blocks=min(n_blocks, -(-longest // block_size)),
+                                       write_kv=write_kv, attention=attention)
     run, start, step = Run([], [], [], []), clock(dev), 0
     while queues.has_work():
         decoding, preempted = reserve_decode(queues, alloc)
@@ -172,15 +183,24 @@ def paged_generate(model, requests: list[Request], max_batch_size: int, n_blocks
         run.preemptions += len(preempted)
         step += 1
     run.outputs = [r.output for r in requests]
+    run.graphs = runner.describe() if runner is not None else "eager"
     return run
 
 
+def _use_graphs(graphs: bool | None, model) -> bool:
+    if graphs is not None and not isinstance(graphs, bool):
+        raise TypeError(f"graphs must be True, False or None (None: on a GPU), got {graphs!r}")
+    return model.device.type == "cuda" if graphs is None else graphs
+
+
 def contiguous_generate(model, requests: list[Request], max_batch_size: int, max_len: int,
-                        eos_token_id: int | None = None) -> Run:
-    """Lab 04's continuous batching on the slot cache: each running request holds a slot of max_len."""
+                        eos_token_id: int | None = None, graphs: bool | None = None) -> Run:
+    """Lab 04's continuous batching on the slot cache: each running request holds a slot of max_len;
+    decode steps in CUDA graphs when `graphs` (None: when the model is on a GPU)."""
     _check_requests(requests)
     dev, queues = model.device, Queues(requests, max_batch_size)
     cache = SlotKVCache(model.cfg, n_slots=max_batch_size, max_len=max_len, dtype=model.dtype, device=dev)
+    runner = capture_decode_graphs(model, cache, max_batch_size) if _use_graphs(graphs, model) else None
     free_slots, slot_of = list(range(max_batch_size)), {}
     run, start, step = Run([], [], [], []), clock(dev), 0
     while queues.has_work():
@@ -211,4 +231,5 @@ def contiguous_generate(model, requests: list[Request], max_batch_size: int, max
         run.reserved.append(len(queues.running) * max_len)
         step += 1
     run.outputs = [r.output for r in requests]
+    run.graphs = runner.describe() if runner is not None else "eager"
     return run

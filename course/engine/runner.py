@@ -28,8 +28,20 @@ def forward_cached(model: Decoder, input_ids: torch.Tensor, position_ids: torch.
 
     position_ids (B, T) say where each token sits in its own sequence (RoPE or learned positions).
     attention_mask (B, T), 1 for a real token and 0 for a pad, or None for all real.
-    Advances cache.lengths[slots] by T.
+    Advances cache.lengths[slots] by T. When the cache carries CUDA graphs of the decode step
+    (`course.engine.graphs.capture_decode_graphs`), a decode call (B, 1) replays one instead; its
+    logits are then a static buffer, overwritten by the next call: read them before that.
     """
+    graphs = getattr(cache, "graphs", None)
+    if graphs is not None:
+        return graphs(model, input_ids, position_ids, cache, slots, attention_mask)
+    return forward_cached_eager(model, input_ids, position_ids, cache, slots, attention_mask)
+
+
+@torch.no_grad()
+def forward_cached_eager(model: Decoder, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: SlotKVCache,
+                         slots: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """forward_cached, op by op (no graph): what every call does when the cache has no graphs."""
     cfg = model.cfg
     B, T, start = _check(model, input_ids, position_ids, cache, slots, attention_mask)
     H, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
