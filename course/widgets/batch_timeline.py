@@ -16,9 +16,11 @@ The trace format, written by the engines of lab 04:
         ...
     ]
 
-Recorded states: "waiting" (arrived, not admitted), "prefill" (its prompt goes through the model
-and its first token comes out), "decode" (one more token), "padding" (holds a slot and is computed,
-but is finished or a pad row: wasted work). A request is absent before it arrives ("not arrived")
+Recorded states: "waiting" (arrived, not admitted; or admitted but left out of this step),
+"chunk" (a piece of its prompt goes through the model, no token yet: chunked prefill, lab 11),
+"prefill" (its prompt, or the prompt's last chunk, goes through the model and its first token comes
+out), "decode" (one more token), "padding" (holds a slot and is computed, but is finished or a pad
+row: wasted work). A request is absent before it arrives ("not arrived")
 and after it leaves the batch ("done"); a gap in between is an error. Optional `times[t]`: seconds
 from the start of the run to the end of step t, for latencies in seconds.
 """
@@ -32,16 +34,18 @@ from html import escape
 from .explorer import Explorer, explorer
 from .html import FONT, MONO, legend
 
-RECORDED = ("waiting", "prefill", "decode", "padding")
+RECORDED = ("waiting", "chunk", "prefill", "decode", "padding")
 COLORS = {
     "not arrived": "#EEEEEE",
     "waiting": "#E69F00",
+    "chunk": "#56B4E9",
     "prefill": "#0072B2",
     "decode": "#009E73",
     "padding": "#D55E00",
     "done": "#C8C8C8",
 }
 WORKING = ("prefill", "decode")   # states that produce a new token
+SLOTTED = ("prefill", "decode", "padding")   # states of a slot that computes one position (the bar under a grid)
 MAX_SLIDER_STEPS = 120            # more steps than this: the slider moves several steps at a time
 
 
@@ -155,7 +159,7 @@ def _schedule_html(name, trace, grid, stats, rids, n_steps, step) -> str:
     row_h, label_w, right_w, bar_h, head = 15, 56, 120, 22, 14
     width = label_w + cell * n_steps + right_w
     height = head + row_h * len(rids) + bar_h + 4
-    top_busy = max(1, max((sum(s != "waiting" for s in st.values()) for st in trace), default=1))
+    top_busy = max(1, max((sum(s in SLOTTED for s in st.values()) for st in trace), default=1))
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-size="10" style="{FONT}">']
     tick = max(1, math.ceil(n_steps / 25 / 5) * 5) if n_steps > 25 else 1
     for t in range(0, n_steps, tick):
@@ -178,7 +182,7 @@ def _schedule_html(name, trace, grid, stats, rids, n_steps, step) -> str:
     if lines:
         svg.append(f'<path d="{lines}" stroke="#fff" stroke-width="1"/>')
     base = grid_y + grid_h + bar_h
-    busy = "".join(_bar(label_w + t * cell, base, cell, bar_h * sum(s != "waiting" for s in trace[t].values()) / top_busy)
+    busy = "".join(_bar(label_w + t * cell, base, cell, bar_h * sum(s in SLOTTED for s in trace[t].values()) / top_busy)
                    for t in range(min(step + 1, len(trace))))
     useful = "".join(_bar(label_w + t * cell, base, cell, bar_h * sum(s in WORKING for s in trace[t].values()) / top_busy)
                      for t in range(min(step + 1, len(trace))))
@@ -208,7 +212,7 @@ def _bar(x: float, base: float, w: float, h: float) -> str:
 
 def _summary(trace, stats) -> str:
     tokens = sum(s.tokens for s in stats.values())
-    slot_steps = sum(sum(s != "waiting" for s in step.values()) for step in trace)
+    slot_steps = sum(sum(s in SLOTTED for s in step.values()) for step in trace)
     lat = [s.latency_steps for s in stats.values()]
     text = f"· {len(trace)} steps · {tokens} tokens · mean latency {sum(lat) / len(lat):.1f} steps"
     secs = [s.latency_s for s in stats.values() if s.latency_s is not None]
@@ -227,6 +231,8 @@ def _step_line(trace, step) -> str:
     line = f"step {step}: batch = {pick(*WORKING)}"
     if pick("padding"):
         line += f" + padding {pick('padding')}"
+    if pick("chunk"):
+        line += f" + prompt chunks {pick('chunk')}"
     line += f", tokens this step = {len(pick(*WORKING))}"
     if pick("waiting"):
         line += f", waiting = {pick('waiting')}"

@@ -1,0 +1,288 @@
+"""The serving engine's core, assembled from the course's released parts: one `step()` at a time.
+
+    core = LLMEngine(model, n_blocks=256, block_size=16, max_running=8, budget=256, policy="chunked")
+    core.add_request("r1", prompt_ids, SamplingParams(temperature=0.0), max_tokens=32)
+    while core.has_work():
+        for out in core.step():        # one forward pass over every scheduled sequence
+            print(out.rid, out.token, out.finish_reason)
+
+Parts: continuous batching at token granularity with a token budget (course.engine.scheduler, lab 04,
+chunked prefill from lab 11), a paged KV cache (lab 05) whose blocks a prefix cache hands out (lab 09),
+`forward_extend` for steps that hold prefill chunks, and lab 07's batched sampler. A step:
+
+    reserve: every running sequence gets a slot for its newest token; when blocks run out, the newest
+             running sequence is preempted (its blocks freed; it recomputes later), as in lab 05
+    plan:    the policy picks who computes how many tokens; admitted newcomers get their blocks
+    run:     one forward pass: decode-only steps through `self.decode` (forward_paged's decode call,
+             which replays CUDA graphs of the step when `graphs=True` captured them, lab 02), mixed
+             steps through forward_extend (eager: their shapes change every step)
+    sample:  every sequence whose tokens are all computed gets its next token; finished ones free
+             their blocks (full blocks stay in the prefix cache)
+
+Not thread-safe: call add_request, abort and step from one thread at a time (the async engine
+applies requests and aborts between steps, while no step runs).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from course.engine.block_manager import OutOfBlocks
+from course.engine.extend import forward_extend
+from course.engine.paged import PagedKVCache, block_table_tensor, forward_paged
+from course.engine.paged_ops import paged_attention, write_kv
+from course.engine.prefix_cache import PrefixCache
+from course.engine.sampler import SamplingParams, sample
+from course.engine.scheduler import POLICIES, Seq
+from course.models.decoder import Decoder
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One new token of one request. `finish_reason` is None while it runs, then "length" or "stop"."""
+
+    rid: Hashable
+    token: int
+    index: int                      # 0 for the first token of the request
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Request(Seq):
+    """A Seq with what the engine needs to sample and stop it."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset = frozenset()
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Stats:
+    """Counters since the engine started (what /metrics reports)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0          # prompt tokens of admitted requests (cached ones included)
+    computed_tokens: int = 0        # tokens run through the model (prefill and decode)
+    generated_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    preemptions: int = 0
+
+
+class LLMEngine:
+    """A paged, prefix-caching, continuously batching engine over the course's Decoder."""
+
+    def __init__(self, model: Decoder, *, n_blocks: int = 256, block_size: int = 16, max_running: int = 8,
+                 budget: int = 512, policy: str | Callable = "chunked", prefix_caching: bool = True,
+                 eos_token_id: int | None = None, max_model_len: int | None = None, dtype: torch.dtype | None = None,
+                 graphs: bool = False):
+        if not isinstance(model, Decoder):
+            raise TypeError(f"model must be a course Decoder (course.load_model()), got {type(model).__name__}")
+        for name, value in (("max_running", max_running), ("budget", budget)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(policy, str) and policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)} or a function, got {policy!r}")
+        if budget < max_running:
+            raise ValueError(f"budget ({budget}) must be >= max_running ({max_running}): every decode needs a token")
+        self.model, self.device = model, model.device
+        self.policy = POLICIES[policy] if isinstance(policy, str) else policy
+        self.policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
+        self.budget, self.max_running, self.eos_token_id = budget, max_running, eos_token_id
+        self.pc = PrefixCache(n_blocks, block_size, enabled=prefix_caching)
+        self.kv = PagedKVCache(model.cfg, n_blocks, block_size, dtype=dtype or next(model.parameters()).dtype,
+                               device=self.device)
+        self.max_model_len = min(model.cfg.max_seq_len, n_blocks * block_size, max_model_len or 1 << 62)
+        self.decode: Callable = forward_paged      # decode-only steps: replays CUDA graphs once they are captured
+        if graphs:                                 # one graph per batch bucket, over this engine's KV cache
+            from course.engine.graphs import capture_decode_graphs
+            capture_decode_graphs(model, self.kv, max_batch=max_running, max_blocks=-(-self.max_model_len // block_size))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = Stats()
+        self.start = time.perf_counter()
+        self.trace: list[dict] | None = None       # record_trace(): one {rid: state} per step, for the timeline
+        self.step_times: list[float] = []
+        self.last_step_s = 0.0
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def add_request(self, rid: Hashable, prompt: list[int], params: SamplingParams | None = None, max_tokens: int = 16,
+                    stop_token_ids=(), ignore_eos: bool = False) -> None:
+        """Queue a request (token ids in, token ids out). Raises ValueError naming what is wrong."""
+        if rid in self._rids():
+            raise ValueError(f"request id {rid!r} is already in the engine")
+        if not prompt or any(type(t) is not int or not 0 <= t < self.model.cfg.vocab_size for t in prompt):
+            raise ValueError(f"prompt must be a non-empty list of token ids in 0..{self.model.cfg.vocab_size - 1}")
+        if len(prompt) + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                             f"({self.max_model_len})")
+        params = params or SamplingParams()
+        stops = set(stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None and not ignore_eos else set())
+        self.waiting.append(Request(rid, list(prompt), max_tokens, arrival=time.perf_counter() - self.start,
+                                    params=params, stop_token_ids=frozenset(stops),
+                                    generator=params.generator(self.device)))
+
+    def abort(self, rid: Hashable) -> bool:
+        """Drop a request wherever it is and free its blocks. False if the engine does not hold it."""
+        for queue in (self.waiting, self.running):
+            for req in list(queue):
+                if req.rid == rid:
+                    queue.remove(req)
+                    if rid in self.pc.tables:
+                        self.pc.free(rid)
+                    self.stats.aborted += 1
+                    return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _rids(self) -> set:
+        return {r.rid for r in self.waiting} | {r.rid for r in self.running}
+
+    # --- one step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Reserve, plan, run, sample (see the module docstring). Returns the new tokens of this step."""
+        t0 = time.perf_counter()
+        preempted = self._reserve()
+        plan = self.policy(list(self.running), list(self.waiting), self.budget, self.max_running,
+                           lambda seq: not preempted and self._admit(seq))
+        self._check_plan(plan)
+        for seq, n in plan:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+                self.running.append(seq)
+        for req in self.waiting:                    # admitted by the policy but left out of its plan: undo
+            if req.rid in self.pc.tables:
+                self.pc.free(req.rid)
+        outputs = self._run(plan) if plan else []
+        self.stats.steps += 1
+        if self.trace is not None:
+            self._record(plan, outputs)
+            self.step_times.append(time.perf_counter() - self.trace_start)
+        self.last_step_s = time.perf_counter() - t0
+        return outputs
+
+    def _check_plan(self, plan) -> None:
+        seen = set()
+        for item in plan:
+            seq, n = item if isinstance(item, tuple) and len(item) == 2 else (None, None)
+            if not (seq in self.running or seq in self.waiting) or id(seq) in seen:
+                raise ValueError(f"the policy {self.policy_name!r} planned {item!r}: each entry must be (seq, n) "
+                                 "with a running or admitted sequence, each sequence once")
+            if type(n) is not int or not 1 <= n <= seq.remaining:
+                raise ValueError(f"the policy {self.policy_name!r} gave request {seq.rid!r} {n!r} tokens; "
+                                 f"it has {seq.remaining} left to compute")
+            if seq in self.waiting and seq.rid not in self.pc.tables:
+                raise ValueError(f"the policy {self.policy_name!r} planned waiting request {seq.rid!r} "
+                                 "without admit(seq) accepting it")
+            seen.add(id(seq))
+
+    def _reserve(self) -> bool:
+        """A slot for the newest token of every running sequence, oldest first; preempt the newest when
+        blocks run out (it frees its blocks and waits at the front). True if anyone was preempted."""
+        preempted = False
+        for req in list(self.running):
+            while req in self.running and self.pc.lengths[req.rid] < req.num_tokens:
+                try:
+                    self.pc.append(req.rid, req.num_tokens - self.pc.lengths[req.rid])
+                except OutOfBlocks:
+                    victim = self.running.pop()
+                    self.pc.free(victim.rid)
+                    victim.num_computed, preempted = 0, True
+                    victim.preemptions += 1
+                    self.stats.preemptions += 1
+                    self.waiting.appendleft(victim)
+        return preempted
+
+    def _admit(self, req: Request) -> bool:
+        """Blocks for a waiting request's tokens, its cached prefix shared; False when they do not fit."""
+        try:
+            n_cached, _ = self.pc.allocate(req.rid, req.tokens)
+        except OutOfBlocks:
+            return False
+        req.num_computed = n_cached
+        self.stats.prompt_tokens += len(req.prompt) if req.preemptions == 0 else 0
+        return True
+
+    def _run(self, plan: list[tuple[Request, int]]) -> list[StepOutput]:
+        dev, pc = self.device, self.pc
+        ids, pos, slots = [], [], []
+        for req, n in plan:
+            a = req.num_computed
+            ids += req.tokens[a:a + n]
+            pos += range(a, a + n)
+            slots += [pc.slot(req.rid, p) for p in range(a, a + n)]
+        tables = block_table_tensor([pc.tables[req.rid] for req, _ in plan], dev)
+        ctx = torch.tensor([req.num_computed + n for req, n in plan], dtype=torch.int32, device=dev)
+        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        if all(n == 1 for _, n in plan):        # decode-only: (B, 1), the graph-friendly shape
+            logits = self.decode(self.model, t(ids)[:, None], t(pos)[:, None], self.kv, t(slots), tables, ctx,
+                                 write_kv=write_kv, attention=paged_attention)[:, -1]
+        else:
+            logits = forward_extend(self.model, self.kv, t(ids), t(pos), t(slots), [n for _, n in plan], tables, ctx)
+        ready = []                                                          # sequences with all tokens computed
+        for row, (req, n) in enumerate(plan):
+            req.num_computed += n
+            pc.commit(req.rid, req.tokens[:req.num_computed])
+            self.stats.computed_tokens += n
+            if req.num_computed == req.num_tokens:
+                ready.append((row, req))
+        if not ready:
+            return []
+        new = sample(logits[[row for row, _ in ready]], [r.params for _, r in ready],
+                     [r.generator for _, r in ready]).tolist()
+        outputs = []
+        for (_, req), tok in zip(ready, new):
+            req.output.append(tok)
+            self.stats.generated_tokens += 1
+            reason = ("stop" if tok in req.stop_token_ids else
+                      "length" if len(req.output) >= req.max_tokens or req.num_tokens >= self.max_model_len else None)
+            outputs.append(StepOutput(req.rid, tok, len(req.output) - 1, reason))
+            if reason is not None:
+                self.running.remove(req)
+                pc.free(req.rid)
+                self.stats.finished += 1
+        return outputs
+
+    # --- what the server reports ---------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """Gauges and counters for /metrics."""
+        pool = self.pc.pool
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "kv_blocks_used": self.pc.blocks_in_use, "kv_blocks_free": pool.n_free, "kv_blocks_total": pool.n_blocks,
+                "prefix_cache_queries": self.pc.queried_tokens, "prefix_cache_hits": self.pc.hit_tokens,
+                "prefix_cache_hit_rate": self.pc.hit_rate, "prompt_tokens": self.stats.prompt_tokens,
+                "generation_tokens": self.stats.generated_tokens, "requests_finished": self.stats.finished,
+                "requests_aborted": self.stats.aborted, "preemptions": self.stats.preemptions,
+                "steps": self.stats.steps}
+
+    def record_trace(self) -> None:
+        """From now on, record who does what at every step (`trace`) and when each step ends (`step_times`)."""
+        self.trace, self.step_times, self.trace_start = [], [], time.perf_counter()
+        self._seen: set = set()
+
+    def _record(self, plan, outputs) -> None:
+        done = {o.rid for o in outputs}
+        states = {}
+        for req, n in plan:
+            first = req.num_computed - n < len(req.prompt) or req.rid not in self._seen
+            states[req.rid] = ("decode" if not first else "prefill" if req.rid in done else "chunk")
+            self._seen.add(req.rid)
+        for req in list(self.running) + list(self.waiting):
+            if req.rid not in states and (req.rid in self._seen or req in self.waiting):
+                states[req.rid] = "waiting"
+                self._seen.add(req.rid)
+        self.trace.append(states)
