@@ -118,3 +118,16 @@ def test_tokenizer_always_has_a_pad_token():
     tok.pad_token = tok.eos_token = None
     with pytest.raises(ValueError, match="pad"):
         with_pad_token(tok)
+
+
+def test_convert_and_loading_do_not_import_each_other():
+    """The model's name, its error and its cache location live in course.models.store; convert (makes
+    the float32 copy) must not import loading (reads models), which calls convert lazily."""
+    import ast
+    from pathlib import Path
+    import course.models as pkg
+
+    root = Path(pkg.__file__).parent
+    imports = {n.module for n in ast.walk(ast.parse((root / "convert.py").read_text()))
+               if isinstance(n, ast.ImportFrom)}
+    assert "course.models.loading" not in imports, "convert.py imports loading: the cycle is back"

@@ -112,7 +112,7 @@ def grade_all(cfg: Config, log=print) -> list[Outcome]:
 
 
 def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
-    from course.models.loading import cache_dir
+    from course.models.store import cache_dir
 
     cache = cache_dir() / "SmolLM2-135M-Instruct"
     cache = cache.parent if cache.is_dir() else None

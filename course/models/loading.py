@@ -17,9 +17,9 @@ import torch
 
 from course.models.config import ModelConfig
 from course.models.decoder import Decoder
+from course.models.store import DEFAULT_MODEL, ModelUnavailableError
 from course.models.weights import decoder_from_hf_state
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_ALIASES = {DEFAULT_MODEL.lower(), "smollm2-135m", f"huggingfacetb/{DEFAULT_MODEL.lower()}"}
 # Hub models the course knows how to run (any Llama- or GPT-2-family checkpoint also works).
 HUB_MODELS = {
@@ -30,16 +30,6 @@ HUB_MODELS = {
     "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct",
     "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
 }
-
-
-class ModelUnavailableError(RuntimeError):
-    """A model was asked for that cannot be had here (offline, or not a supported family)."""
-
-
-def cache_dir() -> Path:
-    """Where converted weights live: $COURSE_CACHE, else ~/.cache/llm-inference-course."""
-    root = os.environ.get("COURSE_CACHE") or Path.home() / ".cache" / "llm-inference-course"
-    return Path(root)
 
 
 def is_default(name: str) -> bool:
