@@ -167,6 +167,39 @@ def test_kernel_talks_over_ipc_and_leaves_nothing_running(tmp_path):
     assert alive == [], "a process started in the sandbox outlived grading"
 
 
+def test_a_held_namespace_keeps_its_number_from_the_next_sandbox(tmp_path):
+    """Leftovers are found by pid-namespace number, and Linux gives a freed number to the next
+    namespace at once: a grader still looking for one notebook's leftovers would find (and kill) the
+    next notebook's kernel (a blank student died this way, SIGKILLed 9 s into its run). The grader
+    holds the namespace open until it is done; then no new sandbox gets its number."""
+    import time
+
+    def sandbox_namespace():
+        proc = subprocess.Popen(["bwrap", "--unshare-pid", "--dev-bind", "/", "/", "sleep", "0.3"])
+        for _ in range(200):
+            kids = sb.children(proc.pid)
+            if kids:
+                return proc, kids[0], sb.pid_namespace(kids[0])
+            time.sleep(0.01)
+        raise AssertionError("bwrap started no child")
+
+    proc, kid, ns = sandbox_namespace()
+    fd = sb.hold_namespace(kid, ns)
+    assert fd is not None and os.readlink(f"/proc/self/fd/{fd}") == ns
+    try:
+        proc.wait()
+        later = []
+        for _ in range(6):
+            nxt, _, other = sandbox_namespace()
+            later.append(other)
+            nxt.wait()
+            time.sleep(0.1)
+        assert ns not in later, f"a held namespace's number {ns} was given to a new sandbox: {later}"
+    finally:
+        os.close(fd)
+    assert sb.hold_namespace(kid, "pid:[0]") is None, "a pid that is gone (or in another namespace) holds nothing"
+
+
 def _cmdline(p: Path) -> bytes:
     try:
         return (p / "cmdline").read_bytes()

@@ -31,7 +31,7 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbformat import NotebookNode
 from nbformat.v4 import new_output
 
-from autograder.grade.sandbox import Sandbox, children, kill_leftovers, pid_namespace
+from autograder.grade.sandbox import Sandbox, children, hold_namespace, kill_leftovers, pid_namespace
 
 SIGNALS = {signal.SIGKILL: "killed (SIGKILL: the CPU-time limit, or the system ran out of memory)", signal.SIGXCPU: "CPU-time limit reached (SIGXCPU)",
            signal.SIGSEGV: "crashed (segmentation fault)", signal.SIGABRT: "aborted (SIGABRT)",
@@ -205,13 +205,13 @@ async def run_notebook(nb: NotebookNode, kinds: list[str], sandbox: Sandbox, lim
     )
     client.timeout_func = lambda cell: max(1, min(limits.cell_timeout, int(limits.budget - (time.monotonic() - start))))
     log_path = run_dir / "kernel.log"
-    namespace, proc = None, None
+    namespace, ns_fd, proc = None, None, None
     with open(log_path, "w+b") as log_file:   # read back through this handle: the kernel can replace the path
         try:
             async with client.async_setup_kernel(stdout=log_file, stderr=log_file, cleanup_kc=True):
                 proc = km.provisioner.process          # bwrap (launch.py exec'd it): its exit status says why
                 run.transport = km.transport
-                namespace = await _namespace(proc)
+                namespace, ns_fd = await _namespace(proc)
                 guard = Guard(client, name, key, limits.guard_timeout) if guarded else None
                 cells = _execute_cells(client, guard, run, kinds, checkpoints, aliases, limits, start)
                 try:  # the budget is a hard deadline, whatever a cell or the kernel does
@@ -227,24 +227,33 @@ async def run_notebook(nb: NotebookNode, kinds: list[str], sandbox: Sandbox, lim
         run.kernel_log = log_file.read(4000).decode(errors="replace")
     run.timeouts = sorted(client.timed_out)
     run.capped = sorted({i for i, _ in client.capped})
-    run.leftovers = kill_leftovers(namespace, sandbox.uid)
+    try:
+        run.leftovers = kill_leftovers(namespace, sandbox.uid)
+    finally:
+        if ns_fd is not None:
+            os.close(ns_fd)
     if run.stopped and run.stopped[1] == "kernel-died" and not run.stopped[2]:
         run.stopped = (run.stopped[0], "kernel-died", _death(proc, run.kernel_log))
     run.seconds = time.monotonic() - start
     return run
 
 
-async def _namespace(proc) -> str | None:
-    """The sandbox's pid namespace (bwrap's first child lives in it), to find leftovers later."""
+async def _namespace(proc) -> tuple[str | None, int | None]:
+    """The sandbox's pid namespace (bwrap's first child lives in it), to find leftovers later, and an
+    open descriptor of it. Hold the descriptor until the leftovers are killed: it keeps the namespace,
+    and so its number, alive. Linux gives a freed namespace's number to the next one at once, so
+    without it the search for this notebook's leftovers finds (and kills) the next sandbox's kernel."""
     if proc is None:
-        return None
+        return None, None
     for _ in range(50):
         kids = children(proc.pid)
         if kids:
             ns = pid_namespace(kids[0])
-            return ns if ns != pid_namespace(os.getpid()) else None
+            if ns is None or ns == pid_namespace(os.getpid()):
+                return None, None
+            return ns, hold_namespace(kids[0], ns)
         await asyncio.sleep(0.1)
-    return None
+    return None, None
 
 
 async def _execute_cells(client: GradingClient, guard: Guard | None, run: Run, kinds: list[str], checkpoints: dict,

@@ -306,6 +306,19 @@ def pid_namespace(pid: int) -> str | None:
         return None
 
 
+def hold_namespace(pid: int, ns: str) -> int | None:
+    """An open descriptor of `pid`'s pid namespace `ns` (None if it is gone or not that one): while it is
+    open, the namespace's number cannot be given to another one."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/pid", os.O_RDONLY)
+    except OSError:
+        return None
+    if os.readlink(f"/proc/self/fd/{fd}") != ns:      # the process left and its pid was reused
+        os.close(fd)
+        return None
+    return fd
+
+
 def children(pid: int) -> list[int]:
     """Direct children of a process."""
     found = []
