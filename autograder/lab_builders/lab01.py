@@ -21,7 +21,8 @@ the loop you write today, so it pays to know exactly what it does.
 - write a greedy generation loop on a transformer built from scratch: position ids, appending, stopping;
 - prove your loop equals Hugging Face's `generate`, token for token, and measure what it costs.
 
-**Time:** about 45 minutes. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is used when there is one.
+**Time:** about 1 hour: 20 minutes of reading, three problems (10, 10 and 20 minutes), and 2-3
+minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is used when there is one.
 
 The model is **SmolLM2-135M-Instruct**: 135 million parameters, 30 layers, the Llama architecture,
 small enough for a laptop and good enough to write real sentences. It ships with the course, so

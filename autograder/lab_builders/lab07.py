@@ -81,7 +81,9 @@ most likely one it finds.
 - write beam search with a length penalty whose output equals Hugging Face `generate(num_beams=...)` on the real model;
 - explore the next-token distribution in a widget, and measure repetition and diversity of greedy, beam and sampled text, and what temperature does.
 
-**Time:** about 75 minutes. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
+**Time:** about 2 hours 30 minutes: 35 minutes of reading, seven problems (temperature, top-k,
+top-p and min-p 10-15 minutes each, the batched sampler and seeded generation about 45 minutes
+together, beam search about 40), and 2-3 minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
 used when there is one.
 """),
 locked("colab_install", COLAB_INSTALL),

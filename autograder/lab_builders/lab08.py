@@ -83,7 +83,9 @@ text), however bad the draft. A bad draft only costs speed, never quality.
 - put them together in a speculative decoding step whose greedy output equals the target's;
 - replay the steps in a trace widget, and measure acceptance rate, tokens per target pass against the formula, and the wall-time speedup for several draft lengths.
 
-**Time:** about 75 minutes. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
+**Time:** about 3 hours: 40 minutes of reading, six problems (appending and rolling back about 25
+minutes, the draft and prompt lookup about 20 each, greedy acceptance 15, rejection sampling and the
+speculative step about 40 each), and 3-5 minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
 used when there is one.
 """),
 locked("colab_install", COLAB_INSTALL),
@@ -1009,10 +1011,11 @@ from course.widgets.spec_trace import trace_stats
 
 measure_texts = ["The history of the printing press begins in", "Here is a simple recipe for banana bread:",
                  "def bubble_sort(items):\n    ", "My grandfather told me a story about"]
-n_prompts, new_tokens = env.pick((4, 96), (1, 16), cpu=(2, 32))
-gammas = env.pick([1, 2, 3, 4, 6, 8], [2], cpu=[1, 2, 4])
+# Sized to a few minutes: on a GPU each pass of this small model costs a launch-bound ~30 ms (lab 02)
+n_prompts, new_tokens = env.pick((3, 64), (1, 16), cpu=(2, 32))
+gammas = env.pick([1, 2, 4, 6], [2], cpu=[1, 2, 4])
 measure_prompts = [tokenizer(t).input_ids for t in measure_texts[:n_prompts]]
-repeats = env.pick(3, 1, cpu=1)
+repeats = env.pick(2, 1, cpu=1)
 
 def run_all(drafter, gamma, temperature=0.0):
     '''Steps of every prompt, and the median wall time of generating them all.'''
@@ -1066,7 +1069,11 @@ Read your table:
   $\gamma + 1$ tokens costs what a pass over one does (check that against your first measurement).
 - The untrained early exit is what you get from a draft that does not match the target: almost
   nothing is accepted, and the draft passes are pure loss. Training the adapter is what made the
-  4-block draft useful.
+  4-block draft's guesses acceptable; whether they also save time depends on $c$. On a CPU a pass
+  costs about what its weights do: the draft's 4 blocks of 30 and the shared LM head are about a
+  third of the target's. On a GPU this small model's passes are bound by kernel launches (lab 02),
+  so a draft pass costs more than its share of the weights and $c$ grows: your speedup column says whether the draft still pays there. Prompt
+  lookup's draft costs almost nothing, so it pays wherever the text repeats itself.
 
 ### Sampling
 
