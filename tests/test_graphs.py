@@ -15,14 +15,10 @@ from course.engine import (GraphCaptureError, PagedKVCache, SlotKVCache, StepGra
                            capture_decode_graphs, forward_cached, forward_paged, paged_attention, write_kv)
 from course.engine.graphs import PagedDecodeGraphs, SlotDecodeGraphs, greedy_generate
 from course.engine.paged_engine import Request, contiguous_generate, paged_generate
-from course.models import Decoder, ModelConfig, init_weights
+from course.models import Decoder, init_weights
+from tiny_models import tiny_configs
 
-CONFIGS = {
-    "llama-gqa": ModelConfig(family="llama", vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64,
-                             max_seq_len=64),
-    "gpt2": ModelConfig(family="gpt2", vocab_size=64, n_layer=2, n_head=4, n_kv_head=4, d_model=32, d_ff=64,
-                        max_seq_len=64),
-}
+CONFIGS = tiny_configs(vocab_size=64, max_seq_len=64)
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")

@@ -9,15 +9,11 @@ import torch
 
 from course.engine import (BlockAllocator, OutOfBlocks, PagedKVCache, PrefixCache, SamplingParams, Seq,
                            block_table_tensor, forward_extend, sample, schedule_chunked, schedule_prefill_first)
-from course.models import Decoder, ModelConfig, init_weights
+from course.models import Decoder, init_weights
 from course.serve import AsyncEngine, LLMEngine, QueueFull
+from tiny_models import tiny_configs
 
-CONFIGS = {
-    "llama-gqa": ModelConfig(family="llama", vocab_size=61, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48,
-                             max_seq_len=128),
-    "gpt2": ModelConfig(family="gpt2", vocab_size=61, n_layer=2, n_head=4, n_kv_head=4, d_model=32, d_ff=64,
-                        max_seq_len=128),
-}
+CONFIGS = tiny_configs(vocab_size=61, max_seq_len=128, llama_d_ff=48)
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
