@@ -7,6 +7,9 @@ never call `course.engine` or the student's code: that is what makes them indepe
   through `m.forward` at every step (labs 04, 05, 08).
 - `_tiny(family, seed, n_kv_head=None)`: a 2-layer random decoder with large weights, so its top
   tokens are decisive (no near-ties for float sums to flip), on the lab's device (`env.device`).
+- `HIDDEN_ATTENTION`: `_dense(q, ks, vs, scale)`, attention in float64 on the CPU from per-sequence
+  keys and values, and `_paged_case(...)`, paged inputs built by scattering those into shuffled
+  blocks whose unused slots hold NaN (stale memory), moved to the lab's device (labs 05, 06).
 """
 
 
@@ -35,3 +38,41 @@ def _tiny(family, seed, n_kv_head=None):
             p.copy_(torch.randn_like(p) * 0.5)
     return m
 '''.strip("\n").replace("MAX_SEQ_LEN", str(max_seq_len))
+
+
+HIDDEN_ATTENTION = r"""
+def _dense(q, ks, vs, scale):
+    # q (B, H, D); ks[b], vs[b]: (L_b, Hkv, D) -> (B, H, D): float64 on the CPU, no paging at all
+    out = []
+    for b, (k, v) in enumerate(zip(ks, vs)):
+        g = q.shape[1] // k.shape[1]
+        kk, vv = k.cpu().double().repeat_interleave(g, 1), v.cpu().double().repeat_interleave(g, 1)
+        s = torch.einsum("hd,lhd->hl", q[b].cpu().double(), kk) * scale
+        out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vv))
+    return torch.stack(out)
+def _paged_case(lens, H, Hkv, D, bs, dtype, seed, pad_width=0):
+    # dense K/V per sequence, scattered into shuffled physical blocks whose other slots hold NaN
+    # (stale memory); built on the CPU from a seeded generator, then moved to the lab's device
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = sum(-(-L // bs) for L in lens) + 2
+    k_cache = torch.full((n_blocks, bs, Hkv, D), float("nan"), dtype=dtype, device="cpu")
+    v_cache = torch.full((n_blocks, bs, Hkv, D), float("nan"), dtype=dtype, device="cpu")
+    free = torch.randperm(n_blocks, generator=g).tolist()
+    tables, ks, vs = [], [], []
+    for L in lens:
+        t = [free.pop() for _ in range(-(-L // bs))]
+        k = torch.randn(L, Hkv, D, generator=g, device="cpu").to(dtype)
+        v = torch.randn(L, Hkv, D, generator=g, device="cpu").to(dtype)
+        for p in range(L):
+            k_cache[t[p // bs], p % bs] = k[p]
+            v_cache[t[p // bs], p % bs] = v[p]
+        tables.append(t); ks.append(k); vs.append(v)
+    width = max(len(t) for t in tables) + pad_width
+    bt = torch.zeros(len(lens), width, dtype=torch.int32, device="cpu")
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32, device="cpu")
+    q = torch.randn(len(lens), H, D, generator=g, device="cpu").to(dtype)
+    dev = env.device
+    return (q.to(dev), k_cache.to(dev), v_cache.to(dev), bt.to(dev),
+            torch.tensor(lens, dtype=torch.int32, device=dev), ks, vs)
+""".strip("\n")

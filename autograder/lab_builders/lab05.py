@@ -9,42 +9,7 @@ from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL,
 # Independent references of the hidden tests (they live only here, in the instructor's source):
 # dense attention over per-sequence K/V in float64, paged inputs built by scattering dense K/V into
 # shuffled blocks whose unused slots hold NaN (stale memory), and an uncached greedy loop.
-HIDDEN_ATTENTION = r"""
-def _dense(q, ks, vs, scale):
-    # q (B, H, D); ks[b], vs[b]: (L_b, Hkv, D) -> (B, H, D): float64 on the CPU, no paging at all
-    out = []
-    for b, (k, v) in enumerate(zip(ks, vs)):
-        g = q.shape[1] // k.shape[1]
-        kk, vv = k.cpu().double().repeat_interleave(g, 1), v.cpu().double().repeat_interleave(g, 1)
-        s = torch.einsum("hd,lhd->hl", q[b].cpu().double(), kk) * scale
-        out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vv))
-    return torch.stack(out)
-def _paged_case(lens, H, Hkv, D, bs, dtype, seed, pad_width=0):
-    # dense K/V per sequence, scattered into shuffled physical blocks whose other slots hold NaN
-    # (stale memory); built on the CPU from a seeded generator, then moved to the lab's device
-    g = torch.Generator().manual_seed(seed)
-    n_blocks = sum(-(-L // bs) for L in lens) + 2
-    k_cache = torch.full((n_blocks, bs, Hkv, D), float("nan"), dtype=dtype)  # cpu: moved below
-    v_cache = torch.full((n_blocks, bs, Hkv, D), float("nan"), dtype=dtype)  # cpu: moved below
-    free = torch.randperm(n_blocks, generator=g).tolist()
-    tables, ks, vs = [], [], []
-    for L in lens:
-        t = [free.pop() for _ in range(-(-L // bs))]
-        k = torch.randn(L, Hkv, D, generator=g).to(dtype)  # cpu: reference input, moved below
-        v = torch.randn(L, Hkv, D, generator=g).to(dtype)  # cpu: reference input, moved below
-        for p in range(L):
-            k_cache[t[p // bs], p % bs] = k[p]
-            v_cache[t[p // bs], p % bs] = v[p]
-        tables.append(t); ks.append(k); vs.append(v)
-    width = max(len(t) for t in tables) + pad_width
-    bt = torch.zeros(len(lens), width, dtype=torch.int32)  # cpu: moved below
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)  # cpu: written into bt
-    q = torch.randn(len(lens), H, D, generator=g).to(dtype)  # cpu: moved below
-    dev = env.device
-    return (q.to(dev), k_cache.to(dev), v_cache.to(dev), bt.to(dev),
-            torch.tensor(lens, dtype=torch.int32, device=dev), ks, vs)
-""".strip("\n")
+from autograder.lab_builders.hidden_refs import HIDDEN_ATTENTION  # noqa: E402 (shared with lab 06)
 
 HIDDEN_GREEDY = greedy_and_tiny(max_seq_len=64)
 

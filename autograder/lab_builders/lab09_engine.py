@@ -9,36 +9,16 @@ CELLS = [
 md(r"""
 ## 4. The engine skips what is cached
 
-The engine of lab 05, now on the prefix cache. Lab 05's answers come given below (`write_kv` and the
-reference paged attention), and one new piece: `forward_extend`, a prefill that starts in the middle.
+The engine of lab 05, now on the prefix cache. Lab 05's answers come from `course.engine`, where the
+course releases them for the labs after it (`write_kv` and `paged_attention`), and one new piece:
+`forward_extend`, a prefill that starts in the middle.
 Lab 05's prefill assumed nothing was cached, so its new tokens attended only to each other. Here the
 new tokens (positions `n_cached` onwards) must also attend to the cached tokens before them. So each
 layer writes the new keys and values into their slots, gathers the first `n_cached + T` keys and values
 of the sequence through its block table, and runs causal attention with the new tokens as queries.
 """),
 locked("given_paged", r'''
-def write_kv(k_cache, v_cache, k, v, slot_mapping):
-    """Lab 05: store k[i], v[i] (N, Hkv, D) into slot slot_mapping[i]; a negative slot is skipped."""
-    n_blocks, block_size, Hkv, D = k_cache.shape
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(n_blocks * block_size, Hkv, D)[slots] = k[keep]
-    v_cache.view(n_blocks * block_size, Hkv, D)[slots] = v[keep]
-
-
-def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Lab 05: decode attention, q (B, H, D) over each sequence's context_lens[b] tokens through its block table."""
-    B, H, D = q.shape
-    _, block_size, Hkv, _ = k_cache.shape
-    out = torch.empty_like(q)
-    for b in range(B):
-        L = int(context_lens[b])
-        blocks = block_tables[b, :-(-L // block_size)].long()
-        k = k_cache[blocks].reshape(-1, Hkv, D)[:L].float().repeat_interleave(H // Hkv, dim=1)   # (L, H, D)
-        v = v_cache[blocks].reshape(-1, Hkv, D)[:L].float().repeat_interleave(H // Hkv, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale                             # (H, L)
-        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
-    return out
+from course.engine import paged_attention, write_kv   # lab 05's answers, released in course.engine
 
 
 @torch.no_grad()
@@ -171,7 +151,7 @@ class Engine:
                 tables = block_table_tensor([pc.tables[r.rid] for r, _ in decoding], dev)
                 lens = torch.tensor([pc.lengths[r.rid] for r, _ in decoding], dtype=torch.int32, device=dev)
                 logits = forward_paged(self.model, ids, pos, self.kv, torch.tensor([s for _, s in decoding], device=dev),
-                                       tables, lens, write_kv=write_kv, attention=paged_attention_ref)
+                                       tables, lens, write_kv=write_kv, attention=paged_attention)
                 for (r, _), tok in zip(decoding, logits[:, -1].argmax(dim=-1).tolist()):
                     r.output.append(tok)
                     pc.commit(r.rid, r.prompt + r.output)
