@@ -398,7 +398,7 @@ import matplotlib.pyplot as plt
 from course.timing import benchmark
 
 ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids.to(env.device)
-lengths = env.pick([8, 16, 32, 64], [2, 4, 8])
+lengths = env.pick([8, 16, 32, 64], [1, 2, 4])
 repeats = env.pick(3, 1)
 mine_s = [benchmark(lambda: greedy_generate(model, ids, n), repeats=repeats, device=env.device).median for n in lengths]
 hf_s = [benchmark(lambda: hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False),

@@ -874,7 +874,7 @@ TEXTS = ["The capital of France is", "Once upon a time, in a small village by th
          "Explain why the sky is blue in one sentence:", "A haiku about autumn leaves:", "The quick brown fox",
          "In 1969, the first humans to walk on the Moon were", "Water boils at",
          "Here is a recipe for pancakes. Ingredients:", "The best way to learn a language is"]
-n_requests, longest, B = env.pick((48, 128, 8), (16, 24, 4), cpu=(32, 64, 8))
+n_requests, longest, B = env.pick((48, 128, 8), (10, 16, 4), cpu=(32, 64, 8))
 rng = np.random.default_rng(0)
 lengths = np.clip(np.round(2 + 4 * rng.pareto(1.2, n_requests)), 2, longest).astype(int).tolist()  # long tail
 prompts = [tokenizer(TEXTS[i % len(TEXTS)]).input_ids for i in range(n_requests)]

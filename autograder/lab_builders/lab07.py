@@ -981,7 +981,7 @@ import matplotlib.pyplot as plt
 
 measure_texts = ["Once upon a time there was a little girl who", "I like to eat", "My trip to Yosemite was",
                  "The best way to learn a language is"]
-n_prompts, new_tokens, n_samples = env.pick((4, 64, 8), (1, 24, 2), cpu=(4, 48, 4))
+n_prompts, new_tokens, n_samples = env.pick((4, 64, 8), (1, 12, 2), cpu=(4, 48, 4))
 measure_prompts = [tokenizer(t).input_ids for t in measure_texts[:n_prompts]]
 
 @torch.no_grad()
@@ -1047,12 +1047,12 @@ per-request parameters, all of it runs as **one batch**: each row has its own te
 code(r"""
 fox = tokenizer("The quick brown fox jumps over the").input_ids
 temps = [0.7, 1.5, 0.00001]
-reps = env.pick(3, 1)
+reps, fox_new = env.pick((3, 20), (1, 10))          # samples per temperature, new tokens each
 qs = [SamplingParams(temperature=t, seed=s) for t in temps for s in range(reps)]
-outs = sampled_generate(model, [fox] * len(qs), qs, 20)
+outs = sampled_generate(model, [fox] * len(qs), qs, fox_new)
 for q, out in zip(qs, outs):
     print(f"T={q.temperature:<7g} seed {q.seed}: {tokenizer.decode(out)!r}")
-greedy_fox = generate(model, [fox], 20, greedy_pick)[0]
+greedy_fox = generate(model, [fox], fox_new, greedy_pick)[0]
 print("\nT=0.00001 equals greedy:", all(out == greedy_fox for q, out in zip(qs, outs) if q.temperature < 1e-3))
 """),
 md(r"""
@@ -1064,7 +1064,7 @@ code(r"""
 sweep = env.pick([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0], [0.5, 1.5], cpu=[0.25, 0.5, 0.75, 1.0, 1.5, 2.0])
 per_t = env.pick(8, 2, cpu=4)
 qs = [SamplingParams(temperature=t, seed=s) for t in sweep for s in range(per_t)]
-outs = sampled_generate(model, [fox] * len(qs), qs, 20)                  # one batch, every temperature
+outs = sampled_generate(model, [fox] * len(qs), qs, fox_new)             # one batch, every temperature
 pooled, logps = [], []
 for i, t in enumerate(sweep):
     texts = outs[i * per_t:(i + 1) * per_t]

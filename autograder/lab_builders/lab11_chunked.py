@@ -257,8 +257,8 @@ on any machine. Each server's engine records its steps for the timeline.
 """),
 code(r'''
 decode_ms = decode_step_ms()                                          # measured again, just before the runs
-n_chat, chat_out = env.pick((6, 96), (4, 40), cpu=(4, 64))
-n_doc, doc_len = env.pick((3, 4096), (2, 448), cpu=(3, 768))
+n_chat, chat_out = env.pick((6, 96), (4, 24), cpu=(4, 64))
+n_doc, doc_len = env.pick((3, 4096), (2, 256), cpu=(3, 768))
 BUDGET = env.pick(512, 64, cpu=128)
 repeats = env.pick(3, 1, cpu=3)
 chat_reqs = [(random_ids(24, seed=100 + i), chat_out) for i in range(n_chat)]
