@@ -10,7 +10,7 @@ JOBS    ?= 1
 PORT    ?= 8888
 LAB_ARGS ?=
 
-.PHONY: setup lab test test-gpu release grade html vendor browser sandbox-tools clean help
+.PHONY: setup lab test test-gpu release grade html vendor browser sandbox-tools system-tools clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -46,17 +46,21 @@ $(VENDOR)/node_modules/.installed: $(VENDOR)/package.json $(VENDOR)/package-lock
 
 vendor: $(VENDOR)/node_modules/.installed
 
-# 3. Debian chromium for the browser tests (installed when missing; needs root or sudo).
-browser:
-	@command -v chromium >/dev/null || { \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+# 3. Debian chromium for the browser tests, and 4. Debian bubblewrap, the grading sandbox: installed
+#    when missing (needs root or sudo). `system-tools` installs both in one apt-get: two at a time
+#    would fight over dpkg's lock when `make test` runs its set-up steps side by side.
+APT_GET = SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq
 
-# 4. Debian bubblewrap, the grading sandbox (installed when missing; needs root or sudo).
+browser:
+	@command -v chromium >/dev/null || { $(APT_GET) chromium; }
+
 sandbox-tools:
-	@command -v bwrap >/dev/null || { \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap; }
+	@command -v bwrap >/dev/null || { $(APT_GET) bubblewrap; }
+
+system-tools:
+	@missing="$$(command -v chromium >/dev/null || echo chromium) $$(command -v bwrap >/dev/null || echo bubblewrap)"; \
+	  [ -z "$${missing// /}" ] || { $(APT_GET) $$missing; }
 
 # LAB_ARGS: extra JupyterLab options, e.g. LAB_ARGS="--IdentityProvider.token=secret" (the tests use it).
 # As root (containers, CI) JupyterLab refuses to start without --allow-root.
@@ -67,7 +71,9 @@ lab: setup
 # The set-up's time goes into the table of slowest steps that ends `make test` (tests/conftest.py).
 MAKE_START := $(shell date +%s)
 
-test: setup vendor browser sandbox-tools
+# The set-up steps run side by side (pip and npm download at the same time), each one's output kept together.
+test:
+	@$(MAKE) --no-print-directory -j3 --output-sync=target setup vendor system-tools
 	@mkdir -p build && printf 'make set-up (venv, packages, model, npm, chromium, bubblewrap)\t%s\n' \
 	  $$(( $$(date +%s) - $(MAKE_START) )) > build/make-steps.tsv
 	# Two workers on two cores: one torch thread each (two threads per kernel thrash when both run).

@@ -122,7 +122,7 @@ def decode_step_seconds(B, prompt, repeats, graphs=False):
 
 batch_sizes = env.pick([1, 2, 4, 8, 16, 32, 64], [1, 2, 4, 8], cpu=[1, 2, 4, 8, 16, 32])
 modes = {"eager": False, "CUDA graph": True} if env.gpu else {"eager": False}   # a CPU has no launches to remove
-step_s = {mode: [decode_step_seconds(B, prompt, repeats=env.pick(7, 3), graphs=g) for B in batch_sizes]
+step_s = {mode: [decode_step_seconds(B, prompt, repeats=env.pick(7, 2), graphs=g) for B in batch_sizes]
           for mode, g in modes.items()}
 for i, B in enumerate(batch_sizes):
     print(f"batch {B:>2} ({WHERE}): " + " | ".join(f"{mode} {s[i] * 1e3:6.1f} ms per step, {B / s[i]:8.1f} tokens/s"
@@ -874,7 +874,7 @@ TEXTS = ["The capital of France is", "Once upon a time, in a small village by th
          "Explain why the sky is blue in one sentence:", "A haiku about autumn leaves:", "The quick brown fox",
          "In 1969, the first humans to walk on the Moon were", "Water boils at",
          "Here is a recipe for pancakes. Ingredients:", "The best way to learn a language is"]
-n_requests, longest, B = env.pick((48, 128, 8), (10, 16, 4), cpu=(32, 64, 8))
+n_requests, longest, B = env.pick((48, 128, 8), (8, 12, 4), cpu=(32, 64, 8))
 rng = np.random.default_rng(0)
 lengths = np.clip(np.round(2 + 4 * rng.pareto(1.2, n_requests)), 2, longest).astype(int).tolist()  # long tail
 prompts = [tokenizer(TEXTS[i % len(TEXTS)]).input_ids for i in range(n_requests)]
