@@ -10,7 +10,7 @@ JOBS    ?= 1
 PORT    ?= 8888
 LAB_ARGS ?=
 
-.PHONY: setup lab test test-gpu release grade html vendor browser sandbox-tools system-tools clean help
+.PHONY: setup lab test test-gpu release grade html vendor sandbox-tools system-tools clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -46,14 +46,11 @@ $(VENDOR)/node_modules/.installed: $(VENDOR)/package.json $(VENDOR)/package-lock
 
 vendor: $(VENDOR)/node_modules/.installed
 
-# 3. Debian chromium for the browser tests, and 4. Debian bubblewrap, the grading sandbox: installed
-#    when missing (needs root or sudo). `system-tools` installs both in one apt-get: two at a time
-#    would fight over dpkg's lock when `make test` runs its set-up steps side by side.
+# 3. Debian bubblewrap, the grading sandbox (`sandbox-tools`), and for `make test` also Debian chromium
+#    for the browser tests (`system-tools`, both in one apt-get: two at a time would fight over dpkg's
+#    lock while the set-up steps run side by side). Installed when missing; needs root or sudo.
 APT_GET = SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq
-
-browser:
-	@command -v chromium >/dev/null || { $(APT_GET) chromium; }
 
 sandbox-tools:
 	@command -v bwrap >/dev/null || { $(APT_GET) bubblewrap; }

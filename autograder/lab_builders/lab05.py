@@ -3,13 +3,10 @@
     .venv/bin/python -m autograder.lab_builders.lab05
 """
 from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
-from autograder.lab_builders.hidden_refs import greedy_and_tiny  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
-
-# Independent references of the hidden tests (they live only here, in the instructor's source):
-# dense attention over per-sequence K/V in float64, paged inputs built by scattering dense K/V into
-# shuffled blocks whose unused slots hold NaN (stale memory), and an uncached greedy loop.
-from autograder.lab_builders.hidden_refs import HIDDEN_ATTENTION  # noqa: E402 (shared with lab 06)
+# The hidden tests' independent references (autograder/lab_builders/hidden_refs.py, instructor-only):
+# dense float64 attention and NaN-padded paged inputs (shared with lab 06), and an uncached greedy loop.
+from autograder.lab_builders.hidden_refs import HIDDEN_ATTENTION, greedy_and_tiny  # noqa: E402
 
 HIDDEN_GREEDY = greedy_and_tiny(max_seq_len=64)
 

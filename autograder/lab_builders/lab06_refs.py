@@ -1,8 +1,8 @@
 """Lab 06's independent references for the hidden tests (pasted into hidden blocks only).
 
-They never call `course.engine` or the student's code: dense attention in float64 on the CPU from
-per-sequence keys and values, and paged inputs built by scattering those into shuffled blocks
-whose unused slots hold NaN (stale memory), moved to the lab's device before any kernel sees them.
+They never call `course.engine` or the student's code. Dense float64 attention and the NaN-padded
+paged inputs (`HIDDEN_ATTENTION`) are lab 05's, from hidden_refs.py; this file adds the references
+of the split-KV and the causal prefill kernels.
 """
 
 from autograder.lab_builders.hidden_refs import HIDDEN_ATTENTION  # noqa: F401 (shared with lab 05)

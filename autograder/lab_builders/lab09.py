@@ -169,8 +169,9 @@ proportion), most of the time to first token goes to tokens whose keys and value
 request already computed: the share on the last line. On a GPU a prompt of a few hundred tokens may
 take about as long as a short one: this small model's forward pass is bound by launching its kernels
 (lab 02), not by the tokens, so the cache saves work there but little time until prompts are long
-or many requests share the GPU. Read your share before you expect a speedup below. The keys and values of a token depend only on the tokens before it
-(causal attention), so the same prefix gives the same keys and values, whoever sends it.
+or many requests share the GPU. Read your share before you expect a speedup below.
+
+The keys and values of a token depend only on the tokens before it (causal attention), so the same prefix gives the same keys and values, whoever sends it.
 Keeping them is all prefix caching does. The hard parts are finding them fast, sharing them safely,
 and deciding what to throw away when memory runs out.
 
