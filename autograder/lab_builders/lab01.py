@@ -319,10 +319,10 @@ for text in ("My trip to Yosemite was", "def fibonacci(n):", "Paris"):
 chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
                                      add_generation_prompt=True, return_tensors="pt")
 chat = (chat if isinstance(chat, torch.Tensor) else chat["input_ids"]).to(env.device)
-ref = hf_model.generate(chat, max_new_tokens=30, do_sample=False, eos_token_id=tokenizer.eos_token_id)
-got = expect_tensor(greedy_generate(model, chat, max_new_tokens=30, eos_token_id=tokenizer.eos_token_id),
+ref = hf_model.generate(chat, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+got = expect_tensor(greedy_generate(model, chat, max_new_tokens=12, eos_token_id=tokenizer.eos_token_id),
                     "greedy_generate(chat, eos_token_id=...)", dtype=torch.long, ndim=2, device=env.device)
-assert ref[0, -1].item() == tokenizer.eos_token_id and ref.shape[1] < chat.shape[1] + 30, "the reference must end in EOS"
+assert ref[0, -1].item() == tokenizer.eos_token_id and ref.shape[1] < chat.shape[1] + 12, "the reference must end in EOS"
 assert torch.equal(got, ref), "stop right after appending eos_token_id, and keep it in the output"
 ### END HIDDEN TESTS
 """),
