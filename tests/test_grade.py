@@ -33,7 +33,7 @@ from nbconvert import HTMLExporter
 from nbgrader.api import Gradebook
 
 from autograder import REPO, authoring, lab_names, lab_notebook
-from autograder.fixtures import HOSTILE_LAB, build_class, full_solution
+from autograder.fixtures import HOSTILE_LAB, build_class, full_solution, reads, without_demos
 from autograder.grade import collect, tamper
 from autograder.grade.execute import RunLimits, run_notebook
 from autograder.grade.feedback import result_line
@@ -300,6 +300,36 @@ def test_a_forged_or_replayed_guard_is_caught(tmp_path, attack, why):
 
 
 # --- the simulated class ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code, names", [
+    ("x = y + 1\nprint(x)", {"y", "print"}),                           # bound here, then read: not needed
+    ("for name, p in items:\n    print(name, p)", {"items", "print"}),
+    ("def f(a, b=c):\n    z = a + g\n    return z\nf(1)", {"c", "g"}),  # a body reads what it does not bind
+    ("x += 1", {"x"}),
+    ("[t for t in ts if t > k]\nt", {"ts", "k", "t"}),                 # a comprehension's names stay inside
+    ("import torch\ntorch.ones(1)", set()),
+    ("try:\n    pass\nexcept E as e:\n    print(e)", {"E", "print"}),
+    ("obj.attr = v", {"obj", "v"}),
+    ("class A(B):\n    n = 1\n    def m(self):\n        return n2", {"B", "n2"}),
+])
+def test_reads_finds_what_a_cell_needs_from_earlier_cells(code, names):
+    assert reads(code) == names
+
+
+def test_without_demos_keeps_what_the_tests_read(lab01):
+    source, release = lab01
+    full = full_solution(release, source)
+    slim = without_demos(full, source)
+    kept = [c.source for c in slim.cells]
+    for cell in full.cells:
+        if cell_kind(cell) != "plain" or cell.cell_type == "markdown":
+            assert cell.source in kept, f"a {cell_kind(cell)} cell was left out"
+    plain = [c for c in full.cells if c.cell_type == "code" and cell_kind(c) == "plain"]
+    assert any("hf_model = " in c.source for c in slim.cells), "the hidden tests read hf_model: its cell stays"
+    dropped = [c.source for c in plain if c.source not in kept]
+    assert any("register_forward_hook" in s for s in dropped), "the generate demo feeds no test: left out"
+    assert 0 < len(dropped) < len(plain)
+
 
 @pytest.fixture(scope="module")
 def graded_hostile(tmp_path_factory):

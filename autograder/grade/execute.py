@@ -211,7 +211,7 @@ async def run_notebook(nb: NotebookNode, kinds: list[str], sandbox: Sandbox, lim
             async with client.async_setup_kernel(stdout=log_file, stderr=log_file, cleanup_kc=True):
                 proc = km.provisioner.process          # bwrap (launch.py exec'd it): its exit status says why
                 run.transport = km.transport
-                namespace, ns_fd = await _namespace(proc)
+                namespace, ns_fd = await _namespace(proc) if sandbox.enabled else (None, None)   # off: no namespace
                 guard = Guard(client, name, key, limits.guard_timeout) if guarded else None
                 cells = _execute_cells(client, guard, run, kinds, checkpoints, aliases, limits, start)
                 try:  # the budget is a hard deadline, whatever a cell or the kernel does

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import nbformat
 from nbconvert import HTMLExporter
+from nbconvert.filters import Highlight2HTML, clean_html
 from nbformat import NotebookNode
 from nbformat.v4 import new_markdown_cell, new_output
 
@@ -28,6 +29,7 @@ from autograder.grade.repair import cell_kind, grade_id
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _exporter: HTMLExporter | None = None
+_highlight: Highlight2HTML | None = None
 
 
 def _hidden_start(source: str) -> int | None:
@@ -121,13 +123,29 @@ def feedback_notebook(graded: NotebookNode, outcome: Outcome, source: NotebookNo
     return nb
 
 
+class _Highlighted(str):
+    """Pygments' HTML of a code cell: every character of the source is escaped already, so nbconvert's
+    `clean_html` (bleach: half the time of a page) has nothing to remove from it."""
+
+
+def _render(nb: NotebookNode) -> str:
+    """nbconvert's lab-template HTML of `nb`, the highlighted code kept out of bleach."""
+    global _exporter, _highlight
+    if _exporter is None:
+        _highlight = Highlight2HTML()
+        _exporter = HTMLExporter(template_name="lab", filters={
+            "highlight_code": lambda source, language=None, metadata=None: _Highlighted(_highlight(source, language, metadata)),
+            "clean_html": lambda html: html if isinstance(html, _Highlighted) else clean_html(html),
+        })
+    info = nb.metadata.get("language_info", {})
+    _highlight.pygments_lexer = info.get("pygments_lexer", info.get("name")) or "ipython3"   # as nbconvert picks it
+    return _exporter.from_notebook_node(nb)[0]
+
+
 def write_feedback(graded: NotebookNode, outcome: Outcome, source: NotebookNode, release: NotebookNode,
                    out_html: Path) -> Path:
     """Render the feedback page for one graded notebook to `out_html`."""
-    global _exporter
-    if _exporter is None:
-        _exporter = HTMLExporter(template_name="lab")
-    body, _ = _exporter.from_notebook_node(feedback_notebook(graded, outcome, source, release))
+    body = _render(feedback_notebook(graded, outcome, source, release))
     out_html.parent.mkdir(parents=True, exist_ok=True)
     out_html.write_text(body, encoding="utf-8")
     return out_html
@@ -136,10 +154,7 @@ def write_feedback(graded: NotebookNode, outcome: Outcome, source: NotebookNode,
 def write_missing(outcome: Outcome, out_html: Path) -> Path:
     """A one-line page for a student with no graded notebook (missing, unreadable, grader error)."""
     nb = nbformat.v4.new_notebook(cells=[new_markdown_cell(_summary(outcome) + f"\n\n{outcome.reason}")])
-    global _exporter
-    if _exporter is None:
-        _exporter = HTMLExporter(template_name="lab")
-    body, _ = _exporter.from_notebook_node(nb)
+    body = _render(nb)
     out_html.parent.mkdir(parents=True, exist_ok=True)
     out_html.write_text(body, encoding="utf-8")
     return out_html

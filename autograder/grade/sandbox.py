@@ -356,12 +356,14 @@ def _dying(pid: int) -> bool:
 def kill_leftovers(namespace: str | None, uid: int | None, grace: float = 10.0) -> list[int]:
     """Processes that outlived the kernel in the sandbox's pid namespace (or as its uid): they are
     SIGKILLed; returns those that were not already being torn down when `grace` seconds had passed
-    (normally none: the namespace's init died with the kernel, and the kernel kills the rest)."""
+    (normally none: the namespace's init died with the kernel, and the kernel kills the rest).
+    Zombies are not waited for: the namespace's init is reparented to the host's init, which may
+    take a second or more to reap it."""
     import time
 
     deadline = time.monotonic() + grace
-    while (left := processes_in(namespace, uid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while (left := processes_in(namespace, uid)) and not all(map(_dying, left)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     survivors = [pid for pid in left if not _dying(pid)]
     for pid in left:
         try:

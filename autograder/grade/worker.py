@@ -8,12 +8,19 @@ gradebook (the main process does, one submission at a time).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+if __name__ == "__main__" and "nbgrader" not in sys.modules:
+    # A grading process needs nbgrader.utils only. nbgrader's package __init__ imports its Jupyter
+    # server extensions (tornado handlers, jupyter_server): 1 s in each of a class's processes. So the
+    # package is registered here without running its __init__; its modules import as usual.
+    sys.modules["nbgrader"] = importlib.util.module_from_spec(importlib.util.find_spec("nbgrader"))
 
 import nbformat
 from nbformat import NotebookNode

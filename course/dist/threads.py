@@ -17,6 +17,7 @@ first error, with a note naming the rank.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -214,6 +215,16 @@ class ThreadComm(Comm):
         return _RecvWork(w, self.rank, src, posted)
 
 
+def _wait_until_gone(threads: list[threading.Thread], limit_s: float = 2.0) -> None:
+    """Wait until the joined threads have left the OS too. `join` returns before a thread's C-level
+    exit: MKL then frees the thread's matmul buffers under a spin lock, and a process forked at that
+    moment (`course.dist.launch`, right after) inherits the lock held and spins in its first matmul."""
+    deadline = time.monotonic() + limit_s
+    for t in threads:
+        while t.native_id is not None and os.path.exists(f"/proc/self/task/{t.native_id}") and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
 def run_threads(fn: Callable, world_size: int, *args, timeout: float = 60.0, **kwargs) -> list:
     """Run `fn(comm, *args, **kwargs)` on `world_size` ranks, each a thread with its own `ThreadComm`.
     Returns the ranks' return values, in rank order. If a rank raises, the others are stopped and
@@ -254,6 +265,7 @@ def run_threads(fn: Callable, world_size: int, *args, timeout: float = 60.0, **k
         t.join(timeout + 5)
     if any(t.is_alive() for t in threads):
         raise TimeoutError(f"ranks {[r for r, t in enumerate(threads) if t.is_alive()]} did not finish")
+    _wait_until_gone(threads)
     first = world.failed
     if first is None:   # only aborts (cannot happen without a failure) or success
         first = next((r for r, e in enumerate(errors) if e is not None), None)

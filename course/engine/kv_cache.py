@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course.models.decoder import Attention, Block, Decoder, apply_rope, check_ids, rope_cos_sin
+from course.models.weights import meta_model
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]   # one (k, v) per layer, each (B, Hkv, n, D)
 
@@ -86,8 +87,7 @@ class CachedDecoder(Decoder):
 def with_kv_cache(model: Decoder, cls: type = CachedDecoder) -> Decoder:
     """A cached decoder (`cls`, built like CachedDecoder) sharing `model`'s weight tensors: built on the
     meta device (no memory), then given the model's tensors as they are."""
-    with torch.device("meta"):
-        cached = cls(model.cfg)
+    cached = meta_model(model.cfg, cls)
     cached.load_state_dict(model.state_dict(), assign=True)
     if model.cfg.tie_embeddings:
         cached.lm_head.weight = cached.embed.weight                  # keep the output layer tied

@@ -88,10 +88,15 @@ def _from_hub(loader, repo: str, name: str, **kwargs):
 def load_tokenizer(name: str = DEFAULT_MODEL):
     """The tokenizer of `name` (a transformers tokenizer: encode, decode, eos_token_id, ...), always
     with a pad token (see `with_pad_token`)."""
+    if is_default(name):
+        # The converted default names its class (a fast tokenizer). AutoTokenizer would also read the
+        # model's config, and that import chain pulls in torch._dynamo and torch.distributed: ~2 s more
+        # in every lab that needs only the tokenizer.
+        from transformers import PreTrainedTokenizerFast
+
+        return with_pad_token(PreTrainedTokenizerFast.from_pretrained(default_model_dir()))
     from transformers import AutoTokenizer
 
-    if is_default(name):
-        return with_pad_token(AutoTokenizer.from_pretrained(default_model_dir()))
     return with_pad_token(_from_hub(AutoTokenizer.from_pretrained, _resolve(name), name))
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from course.models.config import ModelConfig
 from course.models.decoder import Decoder
@@ -56,11 +57,28 @@ def convert_state_dict(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> d
     return {ours: hf_state[theirs] for ours, theirs in names.items()}
 
 
+class _SkipInit(TorchFunctionMode):
+    """Skips `torch.nn.init`'s random fills (a meta tensor's `normal_` imports torch._dynamo: ~1.5 s
+    of every lab's start-up, for numbers nobody keeps)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def meta_model(cfg: ModelConfig, cls: type = Decoder) -> Decoder:
+    """`cls(cfg)` on the meta device: every shape, no memory, no random init. The caller assigns
+    every weight (`load_state_dict(..., assign=True)`)."""
+    with torch.device("meta"), _SkipInit():
+        return cls(cfg)
+
+
 def decoder_from_hf_state(cfg: ModelConfig, hf_state: dict[str, torch.Tensor],
                           dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
     """Build a `Decoder` and load HF weights into it (strict: every parameter must be filled)."""
-    with torch.device("meta"):
-        model = Decoder(cfg)
+    model = meta_model(cfg)
     state = {k: v.to(dtype) for k, v in convert_state_dict(cfg, hf_state).items()}
     if cfg.tie_embeddings:                     # one tensor, two names: the output layer reuses the embedding
         state["lm_head.weight"] = state["embed.weight"]
