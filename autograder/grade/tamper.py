@@ -60,7 +60,8 @@ FAKE_DUNDERS = {"__eq__", "__ne__", "__bool__", "__torch_function__", "__array_f
 def parse(source: str) -> ast.Module | None:
     """A cell's AST after IPython's transforms (magics, `!cmd`), or None when it does not parse.
     Code that is valid Python already is parsed as it is: IPython's transforms change only syntax
-    Python rejects (and drop leading blank lines), and running them costs 10x the parse. Cached:
+    Python rejects (and drop leading blank lines: line numbers here count from the cell's first line,
+    as the student sees it), and running them costs 10x the parse. Cached:
     grading parses each cell several times (scan, aliases, checkpoints); callers only read the tree."""
     try:
         return ast.parse(source)
