@@ -6,7 +6,7 @@ import sys
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
 from autograder import REPO, authoring
-from autograder.gpu_check import Cell, LabRun, Step, run_lab, score_notebook, write_report
+from autograder.gpu_check import TARGETS, Cell, LabRun, Step, run_lab, score_notebook, target_rows, write_report
 
 
 def test_without_a_gpu_it_says_so_and_fails(tmp_path):
@@ -55,3 +55,72 @@ def test_report_shows_failures_times_and_claims(tmp_path):
     assert "| 06_triton_kernels | quick | 30 | 0/4 | 1 | FAILED |" in text and "`v1` 0/4: AssertionError: max diff" in text
     assert "| the cache is faster | speedup | 6.4 x | 7.1 x | dtype=bf16 |" in text
     assert "NVIDIA H100" in text and "**kernels**: skipped" in text
+
+
+def _full(lab, **values):
+    return LabRun(lab, "full", 60.0, [Cell("a", 1, 1)],
+                  measurements=[{"key": k, "value": v, "unit": "x", "claim": "c"} for k, v in values.items()])
+
+
+def test_targets_read_full_mode_only_and_say_met_missed_or_not_measured():
+    runs = [_full("02_prefill_decode", graph_speedup=12.0),
+            _full("03_kv_cache", kv_cache_speedup_graph=3.1, engine_batch1_tokens_per_s=350.0,
+                  hf_static_compile_tokens_per_s=301.0),
+            _full("08_speculative_decoding", spec_best_speedup_draft=0.8, spec_best_speedup_prompt_lookup=1.7),
+            LabRun("09_prefix_caching", "quick", 9.0, [Cell("a", 1, 1)],
+                   measurements=[{"key": "prefix_cache_ttft_speedup", "value": 9.0, "unit": "x", "claim": "c"}])]
+    verdicts = {(t.lab, t.key): (value, bound, verdict) for t, value, bound, verdict in target_rows(runs)}
+    assert len(verdicts) == len(TARGETS)
+    assert verdicts["02_prefill_decode", "graph_speedup"] == (12.0, 8.0, "met")
+    assert verdicts["03_kv_cache", "kv_cache_speedup_graph"][2] == "MISSED"
+    assert verdicts["03_kv_cache", "engine_batch1_tokens_per_s"] == (350.0, 301.0, "met"), "a bound read from another key"
+    assert verdicts["08_speculative_decoding", "spec_best_speedup_*"] == (1.7, 1.5, "met"), "the best drafter counts"
+    assert verdicts["09_prefix_caching", "prefix_cache_ttft_speedup"][2] == "not run in full mode", "quick mode never counts"
+    assert verdicts["06_triton_kernels", "prefill_vs_sdpa_4096"][2] == "not run in full mode"
+    runs.append(_full("06_triton_kernels", split_kv_vs_sdpa_32x1024=0.9))
+    verdicts = {(t.lab, t.key): v for t, *_, v in target_rows(runs)}
+    assert verdicts["06_triton_kernels", "prefill_vs_sdpa_4096"] == "not measured"
+
+
+def test_a_deadline_leaves_out_what_would_start_late_and_the_report_keeps_what_ran(tmp_path, monkeypatch):
+    """Each fake lab takes 100 s of a fake clock; with --deadline 150 the third lab and the kernel
+    check never start, and the report written after each lab holds the first two."""
+    import torch
+
+    from autograder import gpu_check
+
+    clock = [0.0]
+    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "device_facts", lambda: {"device": "a fake GPU"})
+    reports = []
+
+    def fake_run(lab, mode, timeout, keep=None):
+        assert timeout <= 150 - clock[0], "a cell may not run past the deadline"
+        reports.append(out.read_text() if out.exists() else "")
+        clock[0] += 100
+        return _full(lab, graph_speedup=9.0) if lab == "02_prefill_decode" else LabRun(lab, mode, 100.0, [Cell("a", 1, 1)])
+
+    monkeypatch.setattr(gpu_check, "run_lab", fake_run)
+    out = tmp_path / "report.md"
+    code = gpu_check.main(["--labs", "01_inference", "02_prefill_decode", "03_kv_cache", "--modes", "full",
+                           "--deadline", "150", "--no-class", "--out", str(out)])
+    text = out.read_text()
+    assert code == 0 and len(reports) == 2 and "| 01_inference | full |" in reports[1], "rewritten after each lab"
+    assert "| 02_prefill_decode | full | 60 | 1/1 | 0 | ok |" in text and "| 03_kv_cache | full |" not in text
+    assert "- 03_kv_cache, full mode" in text and "- Triton kernels compiled" in text
+    assert "| issue 15: a CUDA-graph decode step >= 8x eager | 9 | 8 | met |" in text
+
+
+def test_bad_arguments_name_the_argument(tmp_path):
+    for args, word in ((["--jobs", "0"], "--jobs"), (["--deadline", "-5"], "--deadline"), (["--labs", "99_x"], "99_x")):
+        done = subprocess.run([sys.executable, "-m", "autograder.gpu_check", *args, "--out", str(tmp_path / "r.md")],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and word in done.stderr, (args, done.stderr[-300:])
+
+
+def test_a_quick_job_past_its_wall_clock_stop_does_not_start():
+    import time
+
+    from autograder.gpu_check import _run_lab_job
+    assert _run_lab_job(("01_inference", "quick", 900, None, time.time() - 1)) is None

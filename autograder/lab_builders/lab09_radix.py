@@ -384,6 +384,10 @@ print(f"shared system prompt, {len(prompts)} requests: {runs['no cache'].prefill
 for name, s in times.items():
     print(f"  time to first token, {name:>12}: {1e3 * s:6.0f} ms")
 print(f"  speedup {times['no cache'] / times['prefix cache']:.1f}x")
+from course.report import record
+record("prefix_cache_ttft_speedup", times["no cache"] / times["prefix cache"], "x",
+       "most of the time to first token goes to the cached system prompt (issue 15 target on a GPU: >= 3x)",
+       device=dev, dtype=env.dtype, prompt_tokens=len(chat_prompt(system, asked[0])))
 '''),
 md(r"""
 ### A multi-turn chat
