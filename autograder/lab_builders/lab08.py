@@ -104,6 +104,7 @@ On a CPU both names hold the same model.
 locked("engine", r'''
 import torch
 from course.engine import SlotKVCache, forward_cached
+from course.engine.width_graphs import SlotCachePool
 from course.timing import benchmark   # median of several runs after a warm-up, GPU synchronized
 
 tokenizer = course.load_tokenizer()
@@ -113,6 +114,9 @@ model = course.load_model(device=env.device, dtype=env.dtype)   # the target
 model_fp32 = model if env.dtype == torch.float32 else course.load_model(device=env.device)
 dev = env.device
 SLOT0 = torch.zeros(1, dtype=torch.long, device=dev)   # every cache in this lab holds one sequence, in slot 0
+# Where the generators below get their one-slot caches: plain new caches until section 6 turns on
+# CUDA graphs on a GPU (a cache is then kept per model and size, its passes replayed from graphs, lab 02).
+caches = SlotCachePool(graphs=False)
 
 
 def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -125,7 +129,7 @@ def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 @torch.no_grad()
 def plain_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding with a KV cache: prefill, then one forward pass per new token."""
-    cache = SlotKVCache(model.cfg, n_slots=1, max_len=len(prompt) + max_new_tokens, dtype=model.dtype, device=model.device)
+    cache = caches.get(model, len(prompt) + max_new_tokens)          # an empty one-slot SlotKVCache
     ids = torch.tensor([prompt], device=model.device)
     logits = forward_cached(model, ids, torch.arange(len(prompt), device=model.device)[None], cache, SLOT0)[0, -1]
     out = []
@@ -565,7 +569,7 @@ class ModelDrafter:
         self.model, self.name, self.cache = draft_model, name, None
 
     def start(self, max_len: int) -> None:
-        self.cache = SlotKVCache(self.model.cfg, n_slots=1, max_len=max_len, dtype=self.model.dtype, device=self.model.device)
+        self.cache = caches.get(self.model, max_len, widths=(1, 2))     # its calls: 1 token, or 2 after a full accept
 
     def propose(self, seq, gamma, temperature=0.0, generator=None):
         return propose(self.model, self.cache, seq, gamma, temperature, generator)
@@ -844,7 +848,7 @@ def speculative_generate(target, drafter, prompt: list[int], max_new_tokens: int
                          temperature: float = 0.0, seed: int | None = None):
     """New tokens and the steps [(drafted, n_accepted, token), ...]: one target pass per step."""
     max_len = len(prompt) + max_new_tokens + gamma + 1
-    tcache = SlotKVCache(target.cfg, n_slots=1, max_len=max_len, dtype=target.dtype, device=target.device)
+    tcache = caches.get(target, max_len, widths=(1, gamma + 1))        # verify passes: gamma + 1 tokens, or 1
     drafter.start(max_len)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     seq, steps = list(prompt), []
@@ -1003,6 +1007,13 @@ Three numbers per drafter and draft length $\gamma$:
 A few prompts the draft never saw in training. The cell prints a table and plots it; it takes about
 a minute on a CPU (more prompts, tokens and values of $\gamma$ on a GPU). Timings on a shared or busy
 machine are noisy: rerun the cell if a number looks odd.
+
+On a GPU the cell first turns on CUDA graphs for every cache the generators get (lab 02): the
+target's verify pass ($\gamma + 1$ tokens, or 1 when the drafter had nothing), the draft's passes
+and the plain decoding baseline each replay a captured graph instead of launching about a thousand
+kernels one by one. It then reruns the plain baseline and the best drafter without graphs, so you see
+what launch overhead does to speculative decoding. On a CPU every pass runs eagerly: a CPU has no
+launches to remove.
 """),
 code(r"""
 import matplotlib.pyplot as plt
@@ -1011,18 +1022,19 @@ from course.widgets.spec_trace import trace_stats
 
 measure_texts = ["The history of the printing press begins in", "Here is a simple recipe for banana bread:",
                  "def bubble_sort(items):\n    ", "My grandfather told me a story about"]
-# Sized to a few minutes: on a GPU each pass of this small model costs a launch-bound ~30 ms (lab 02)
+# Sized to a few minutes: on a GPU an eager pass of this small model costs a launch-bound ~30 ms (lab 02)
 n_prompts, new_tokens = env.pick((3, 64), (1, 16), cpu=(2, 32))
 gammas = env.pick([1, 2, 4, 6], [2], cpu=[1, 2, 4])
 measure_prompts = [tokenizer(t).input_ids for t in measure_texts[:n_prompts]]
 repeats = env.pick(2, 1, cpu=1)
+caches.graphs = env.gpu        # on a GPU every pass from here on replays a CUDA graph (captured on first use)
 
 def run_all(drafter, gamma, temperature=0.0):
     '''Steps of every prompt, and the median wall time of generating them all.'''
     out = {}
     def run():
         out["steps"] = [s for p in measure_prompts for s in speculative_generate(model, drafter, p, new_tokens, gamma, temperature, seed=0)[1]]
-    seconds = benchmark(run, warmup=0, repeats=repeats, device=dev).median
+    seconds = benchmark(run, warmup=1 if caches.graphs else 0, repeats=repeats, device=dev).median   # (capture untimed)
     return out["steps"], seconds
 
 base = benchmark(lambda: [plain_generate(model, p, new_tokens) for p in measure_prompts], repeats=repeats, device=dev).median
@@ -1046,6 +1058,16 @@ for name in drafters:
            "the best drafter beats plain decoding on the wall clock (issue 15 target on a GPU: >= 1.5x)",
            device=dev, dtype=env.dtype, gamma=best, acceptance=round(rows[name, best]["alpha"], 3),
            prompts=n_prompts, new_tokens=new_tokens)
+if caches.graphs:                # the best drafter again, every pass launched op by op
+    best_name, best_gamma = max(rows, key=lambda k: rows[k]["speedup"])
+    caches.graphs = False
+    base_eager = benchmark(lambda: [plain_generate(model, p, new_tokens) for p in measure_prompts], repeats=repeats, device=dev).median
+    _, secs_eager = run_all(drafters[best_name], best_gamma)
+    caches.graphs = True
+    print(f"\nwithout CUDA graphs: plain decoding {n_prompts * new_tokens / base_eager:.1f} tokens/s, {best_name} "
+          f"(gamma {best_gamma}) {base_eager / secs_eager:.2f}x; with graphs: {rows[best_name, best_gamma]['speedup']:.2f}x")
+    record("spec_eager_best_speedup", base_eager / secs_eager, "x", "the best drafter without CUDA graphs",
+           device=dev, dtype=env.dtype, gamma=best_gamma, drafter=best_name)
 ee_steps, _ = run_all(ModelDrafter(early_exit, "early exit"), gammas[0])
 print(f"\nuntrained early exit (4 blocks, full head), gamma {gammas[0]}: acceptance rate {trace_stats(ee_steps).acceptance_rate:.2f}")
 
@@ -1078,9 +1100,11 @@ Read your table:
   nothing is accepted, and the draft passes are pure loss. Training the adapter is what made the
   4-block draft's guesses acceptable; whether they also save time depends on $c$. On a CPU a pass
   costs about what its weights do: the draft's 4 blocks of 30 and the shared LM head are about a
-  third of the target's. On a GPU this small model's passes are bound by kernel launches (lab 02),
-  so a draft pass costs more than its share of the weights and $c$ grows: your speedup column says whether the draft still pays there. Prompt
-  lookup's draft costs almost nothing, so it pays wherever the text repeats itself.
+  third of the target's. On a GPU without graphs this small model's passes are bound by kernel
+  launches (lab 02): every pass costs about the same fixed time, so the draft's $\gamma$ passes cost
+  nearly as much as the target's and $c$ grows. Compare the line printed under your table (no graphs)
+  with the table (graphs): that gap is launch overhead. Prompt lookup's draft costs almost nothing,
+  so it pays wherever the text repeats itself.
 
 ### Sampling
 

@@ -13,7 +13,8 @@ For lab 11 (serving): lab 04's scheduler at token granularity (`Seq`, `schedule_
 (`PrefixCache`), and `forward_extend`, the forward pass of a step that mixes prefill chunks and decodes.
 Lab 02's CUDA graphs (`StepGraph`, a CPU stand-in with the same semantics) power the decode path of
 every engine: `capture_decode_graphs(model, cache, ...)` makes `forward_cached` / `forward_paged`
-replay a captured step for each batch bucket (`batch_buckets`).
+replay a captured step for each batch bucket (`batch_buckets`). Lab 08 gets its one-slot caches from
+`width_graphs.SlotCachePool`: on a GPU each keeps graphs for its call widths (1, and gamma + 1 to verify).
 """
 from course.engine.block_manager import BlockAllocator, OutOfBlocks
 from course.engine.extend import forward_extend
