@@ -1100,11 +1100,12 @@ Read your table:
   nothing is accepted, and the draft passes are pure loss. Training the adapter is what made the
   4-block draft's guesses acceptable; whether they also save time depends on $c$. On a CPU a pass
   costs about what its weights do: the draft's 4 blocks of 30 and the shared LM head are about a
-  third of the target's. On a GPU without graphs this small model's passes are bound by kernel
-  launches (lab 02): every pass costs about the same fixed time, so the draft's $\gamma$ passes cost
-  nearly as much as the target's and $c$ grows. Compare the line printed under your table (no graphs)
-  with the table (graphs): that gap is launch overhead. Prompt lookup's draft costs almost nothing,
-  so it pays wherever the text repeats itself.
+  third of the target's. On a GPU without graphs every pass costs what launching its kernels costs
+  (lab 02), and each step adds small launches and host reads of its own (the probability rows, the
+  argmaxes, the tokens read back to Python) that cost next to nothing on a CPU. On a GPU, compare the
+  line printed under your table (no graphs) with the table (graphs): the difference is what launch
+  overhead costs speculative decoding there. Prompt lookup's draft costs almost nothing, so it pays
+  wherever the text repeats itself.
 
 ### Sampling
 
