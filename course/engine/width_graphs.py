@@ -64,9 +64,8 @@ class WidthGraphs:
         return graphs(model, input_ids, position_ids, cache, slots, attention_mask)
 
     def describe(self) -> str:
-        eager = sum(g.eager_calls for g in self.by_width.values()) + self.eager_calls
-        parts = [f"width {T}: {g.describe().split(':')[0]}" for T, g in self.by_width.items()]
-        return f"{'; '.join(parts)}; {self.replays} replays, {eager} eager calls"
+        return "; ".join(f"width {T}: {g.describe()}" for T, g in self.by_width.items()) + \
+            f"; {self.eager_calls} calls of other widths (eager)"
 
 
 class SlotCachePool:
@@ -95,15 +94,10 @@ class SlotCachePool:
         size = -(-max_len // self.round_to) * self.round_to
         key = (id(model), size, widths)
         cache = self._kept.get(key)
-        if cache is None or cache.graphs.model is not model:          # (a freed model's id may come back)
+        if cache is None:                     # (the kept cache holds the model: its id cannot be reused)
             with torch.inference_mode(False):     # asked inside a timing loop's inference mode, the cache must
                 cache = SlotKVCache(model.cfg, n_slots=1, max_len=size, dtype=model.dtype, device=model.device)
                 cache.graphs = WidthGraphs(model, cache, widths)    # still be a normal tensor a graph may write
             self._kept[key] = cache
         cache.reset(0)
         return cache
-
-    def describe(self) -> str:
-        if not self.graphs:
-            return "eager: a fresh cache per request"
-        return "; ".join(f"max_len {c.max_len}: {c.graphs.describe()}" for c in self._kept.values()) or "no cache yet"
