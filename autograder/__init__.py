@@ -23,6 +23,10 @@ LABS = REPO / "labs"                            # one folder per lab: labs/01_in
 RELEASE = ROOT / "release"                      # student versions: autograder/release/<lab>/
 GRADEBOOK = ROOT / "gradebook.db"               # as in nbgrader_config.py
 CONFIG_FILE = ROOT / "nbgrader_config.py"
+# The lines nbgrader's source notebooks mark regions with (here, not in checks.py, so that code that
+# reads notebooks without grading them, such as the GPU machine's kernel tests, needs no nbgrader)
+SOLUTION_MARKERS = ("### BEGIN SOLUTION", "### END SOLUTION")
+HIDDEN_MARKERS = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
 
 
 def lab_names(labs_dir: Path | str = LABS) -> list[str]:

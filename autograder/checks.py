@@ -19,10 +19,8 @@ from nbclient import NotebookClient
 from nbformat import NotebookNode
 from nbgrader.utils import determine_grade, is_grade, is_solution
 
-from autograder import load_config
+from autograder import HIDDEN_MARKERS, SOLUTION_MARKERS, load_config
 
-SOLUTION_MARKERS = ("### BEGIN SOLUTION", "### END SOLUTION")
-HIDDEN_MARKERS = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
 KERNEL = "python3"
 
 

@@ -31,8 +31,7 @@ import nbformat
 import pytest
 import torch
 
-from autograder import lab_notebook
-from autograder.checks import SOLUTION_MARKERS
+from autograder import SOLUTION_MARKERS, lab_notebook
 from course.engine import PagedKVCache, SlotKVCache, block_table_tensor, forward_cached, forward_paged
 from course.kernels import compile_for_gpu, compile_report
 from course.kernels.compile_check import HEADER
