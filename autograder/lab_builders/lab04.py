@@ -891,7 +891,10 @@ def summary(run):
 
 continuous_generate(model, workload()[:2], 2)   # warm-up
 runs = {"static": static_serve(model, workload(), B), "continuous": continuous_generate(model, workload(), B)}
-assert runs["static"].outputs == runs["continuous"].outputs, "both engines must generate the same tokens"
+same = sum(a == b for a, b in zip(runs["static"].outputs, runs["continuous"].outputs))
+assert same == n_requests or env.dtype != torch.float32, "in float32 both engines must generate the same tokens"
+print(f"same tokens from both engines: {same}/{n_requests} requests"
+      + ("" if env.dtype == torch.float32 else f" ({env.dtype}: a near-tie can part them; the tests compare in float32)"))
 results = {name: summary(run) for name, run in runs.items()}
 print(f"max_batch_size {B}")
 print(f"{'':>11} {'steps':>6} {'seconds':>8} {'tokens/s':>9} {'mean latency':>19} {'p90 latency':>19}")

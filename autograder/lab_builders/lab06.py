@@ -46,7 +46,7 @@ interpreter is slow). **Hardware:** any CPU runs every problem in Triton's inter
 |---|---|---|
 | your kernels | Triton's *interpreter* (NumPy): correct, slow; fp32 and fp16 | compiled; fp32, fp16, bf16 (a T4 has no bf16) |
 | compile check | for sm_75 (T4), sm_80 (A100), sm_90 (H100), in a subprocess | the same |
-| timing | interpreter time (not performance) and a bytes model | `triton.testing.do_bench` and `perf_report` next to SDPA and the memory roofline |
+| timing | interpreter time (not performance) and a bytes model | `perf_report` of CUDA-graph replays (`do_bench_cudagraph`) next to SDPA and the memory roofline |
 | engine | skipped (minutes per step in the interpreter) | your kernels inside the lab 05 engine |
 """),
 locked("colab_install", COLAB_INSTALL),

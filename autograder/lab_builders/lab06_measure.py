@@ -117,7 +117,15 @@ md(r"""
 ### On a GPU: your kernels against SDPA and the roofline
 
 `triton.testing.do_bench` runs a function many times, empties the L2 cache before each run (so keys
-and values come from memory, as in a real step, not from cache) and reports the median. The
+and values come from memory, as in a real step, not from cache) and reports the median. It times the
+GPU between two events around each call, and that hides a trap for kernels this short: a split-KV call
+is two Triton launches, and Python takes longer to launch them than the GPU takes to run them (the
+profile below measures both). Between the events the GPU then waits for Python, and do_bench times
+Python. An engine never pays that: it replays its decode steps from CUDA graphs (lab 02). So the
+measurements here use `course.kernels.bench_replayed`, which does the same: it times many calls
+replayed from one CUDA graph (`triton.testing.do_bench_cudagraph`), and hands each call its own copy
+of the inputs, cycling through enough copies to outrun the L2 cache, so every call still reads from
+memory. The
 benchmark below is written the way Triton's tutorials write theirs: a `triton.testing.perf_report`
 sweep over context length and over batch size, with a line for each of your versions, for PyTorch's
 `scaled_dot_product_attention` on the same keys and values **already gathered** into contiguous
@@ -130,7 +138,7 @@ if not env.gpu:
     print("skipped: no GPU here. do_bench and autotuning time the GPU's clock; the interpreter has none to time.")
 else:
     from course.hardware import device_peak
-    from course.kernels import run_perf_report
+    from course.kernels import bench_replayed, run_perf_report
 
     peak = device_peak(env)                    # a GPU course.hardware knows: its datasheet; another: measured here
     gpu, dt, dt_name = torch.cuda.get_device_name(0), env.dtype, str(env.dtype).removeprefix("torch.")
@@ -149,10 +157,10 @@ else:
 
     def decode_time(batch, ctx, provider, quantiles=None):
         paged, (qd, kd, vd) = decode_case(batch, ctx)
-        fn = {"v1": lambda: paged_attention_v1(*paged), "v2": lambda: paged_attention_v2(*paged),
-              "split": lambda: paged_attention_split(*paged),
-              "sdpa": lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale)}[provider]
-        return triton.testing.do_bench(fn, quantiles=quantiles, return_mode="median")   # ms
+        fn, args = {"v1": (paged_attention_v1, paged), "v2": (paged_attention_v2, paged),
+                    "split": (paged_attention_split, paged),
+                    "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale), (qd, kd, vd))}[provider]
+        return bench_replayed(fn, *args, quantiles=quantiles)   # ms, replayed from a CUDA graph, inputs from memory
 
     providers = ["v1", "v2", "split", "sdpa", "roofline"]
     common = dict(line_arg="provider", line_vals=providers, ylabel="GB/s", x_log=True,
@@ -205,7 +213,7 @@ if env.gpu:
         gbs, frac = bandwidth(t_split, nbytes, peak.bytes_per_s)
         print(f"{batch:3d} x {ctx:5d}: your split-KV {t_split * 1e6:7.1f} us = {gbs:6.0f} GB/s = {frac:4.0%} of the roofline; "
               f"SDPA on gathered K/V {t_sdpa * 1e6:7.1f} us; yours runs at {t_sdpa / t_split:.2f}x SDPA's speed")
-        where = dict(device=gpu, dtype=dt_name, shape=f"{batch}x{ctx}")
+        where = dict(device=gpu, dtype=dt_name, shape=f"{batch}x{ctx}", timing="CUDA-graph replay")
         record(f"split_kv_roofline_{batch}x{ctx}", frac, "of peak", "split-KV decode reaches >= 0.5 of the HBM roofline on an H100", **where)
         record(f"split_kv_vs_sdpa_{batch}x{ctx}", t_sdpa / t_split, "x", "split-KV decode >= 0.8x SDPA on gathered K/V on an H100", **where)
     print("the configuration autotuning kept:", getattr(tuned_split_kernel, "best_config", None))
@@ -235,20 +243,21 @@ else:
         vd = v_cache[tables[0].long()].reshape(-1, Hkv, D)[:T].transpose(0, 1).repeat_interleave(G, 0)[None]
         qd = q.transpose(0, 1)[None].contiguous()
 
-        def sdpa():
+        def sdpa(qd, kd, vd):
             with sdpa_kernel(backends):
                 return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
 
-        mine = lambda: paged_prefill(q, k_cache, v_cache, tables[0], T, scale)
-        diff = (mine().float() - sdpa()[0].transpose(0, 1).float()).abs().max().item()
-        t_mine, t_sdpa = (triton.testing.do_bench(f, return_mode="median") * 1e-3 for f in (mine, sdpa))
+        mine = lambda q, k_cache, v_cache: paged_prefill(q, k_cache, v_cache, tables[0], T, scale)
+        diff = (mine(q, k_cache, v_cache).float() - sdpa(qd, kd, vd)[0].transpose(0, 1).float()).abs().max().item()
+        t_mine = bench_replayed(mine, q, k_cache, v_cache) * 1e-3
+        t_sdpa = bench_replayed(sdpa, qd, kd, vd) * 1e-3
         flops = 4 * D * H * T * (T + 1) / 2
         print(f"T={T:5d}: yours {t_mine * 1e6:8.1f} us ({flops / t_mine / 1e12:5.1f} TFLOP/s), SDPA {t_sdpa * 1e6:8.1f} us "
               f"({flops / t_sdpa / 1e12:5.1f} TFLOP/s): yours runs at {t_sdpa / t_mine:.2f}x SDPA's speed; max |diff| {diff:.1e}")
         if T == 4096:
             from course.report import record
             record("prefill_vs_sdpa_4096", t_sdpa / t_mine, "x", "the paged prefill kernel >= 0.5x SDPA's flash backend at 4k tokens on an H100",
-                   device=gpu, dtype=dt_name, backend="flash" if flash else "efficient")
+                   device=gpu, dtype=dt_name, backend="flash" if flash else "efficient", timing="CUDA-graph replay")
     print("the configuration autotuning kept:", getattr(tuned_prefill_kernel, "best_config", None))
 """),
 md(r"""
@@ -258,7 +267,10 @@ Where does the time of one split-KV call go? `torch.profiler` records every kern
 operation the CPU issued. Read the table: your two kernels (device time per call), the `empty`
 allocations of the partial buffers, and the CPU time it takes Python to check the arguments and
 launch both kernels. When the CPU time per call is longer than the GPU time, the GPU waits for
-Python between calls: in a real engine, CUDA graphs (lab 02) replay the launches without Python.
+Python between calls: in a real engine, CUDA graphs (lab 02) replay the launches without Python, and
+that is why the benchmark above timed replays. (The profile reruns one set of inputs, so its keys and
+values sit in the L2 cache: its kernel times can come out below the benchmark's, which reads them
+from memory.)
 """),
 code(r"""
 if not env.gpu:
@@ -300,8 +312,10 @@ and say what you expect a GPU to show):
    it next to SDPA on gathered keys and values? Which of the two shapes is closer to the roofline, and why?
 2. From the profile: what share of a call is stage 2? What would it cost to merge inside stage 1 instead?
 3. Name two more reasons your kernel is below the roofline that you can see in your numbers (think of
-   the launch overhead against a floor of microseconds, the number of programs against the SMs, the
-   last wave of programs, the padded rows of `tl.dot`, the `TILE` autotuning picked).
+   the gap between two kernels of a graph against a floor of microseconds, the number of programs
+   against the SMs, the last wave of programs, the padded rows of `tl.dot`, the `TILE` autotuning
+   picked). What would `triton.testing.do_bench`, which launches every call from Python, have
+   reported at 32 x 1k, judging by the profile's CPU time per call?
 4. Why can v2 not reach the roofline at 8 x 8k, however well it is tuned?
 
 *Your answer here.*
