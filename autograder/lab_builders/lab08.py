@@ -1055,9 +1055,9 @@ from course.report import record
 for name in drafters:
     best = max(gammas, key=lambda g: rows[name, g]["speedup"])
     record("spec_best_speedup_" + name.replace(" ", "_"), rows[name, best]["speedup"], "x",
-           "the best drafter beats plain decoding on the wall clock (>= 1.5x on an H100)",
+           "the best drafter against plain decoding on the wall clock, fresh text",
            device=dev, dtype=env.dtype, gamma=best, acceptance=round(rows[name, best]["alpha"], 3),
-           prompts=n_prompts, new_tokens=new_tokens)
+           prompts=n_prompts, new_tokens=new_tokens, workload="fresh text")
 if caches.graphs:                # the best drafter again, every pass launched op by op
     best_name, best_gamma = max(rows, key=lambda k: rows[k]["speedup"])
     caches.graphs = False
@@ -1106,6 +1106,49 @@ Read your table:
   line printed under your table (no graphs) with the table (graphs): the difference is what launch
   overhead costs speculative decoding there. Prompt lookup's draft costs almost nothing, so it pays
   wherever the text repeats itself.
+
+### Text that repeats itself
+
+The prompts above ask for fresh text, where nothing can be copied. Much real traffic is not like
+that: a model asked to edit code or a document writes most of it back unchanged, and structured output
+repeats its keys on every record. That is where engines switch prompt lookup on (vLLM calls it
+`ngram` speculation). Two such prompts: a passage to copy word for word, and a list of records in one
+format. The same drafters, against plain decoding on the same prompts:
+"""),
+code(r"""
+repeat_texts = ["Text: The quick brown fox jumps over the lazy dog. The dog sleeps in the warm sun all afternoon, "
+                "while the fox runs into the forest to find its friends.\nThe same text, copied word for word: The quick brown fox",
+                '[{"name": "Alice", "age": 30, "city": "Paris", "email": "alice@example.com"},\n'
+                ' {"name": "Bob", "age": 25, "city": "London", "email": "bob@example.com"},\n {"name": "Carol",']
+repeat_prompts = [tokenizer(t).input_ids for t in repeat_texts[:env.pick(2, 1)]]
+repeat_tokens, repeat_gammas = env.pick(48, 16, cpu=32), env.pick([2, 4, 6, 8], [4], cpu=[2, 4, 6])
+n_repeat = len(repeat_prompts) * repeat_tokens
+base_repeat = benchmark(lambda: [plain_generate(model, p, repeat_tokens) for p in repeat_prompts], repeats=repeats, device=dev).median
+print(f"plain decoding: {n_repeat / base_repeat:.1f} tokens/s ({len(repeat_prompts)} prompts x {repeat_tokens} tokens, {dev}, {env.dtype})")
+print(f"{'drafter':15} {'gamma':>5} {'accept':>7} {'tok/pass':>8} {'tokens/s':>9} {'speedup':>8}")
+repeat_rows = {}
+for name, drafter in drafters.items():
+    for gamma in repeat_gammas:
+        def run_repeat():
+            return [s for p in repeat_prompts for s in speculative_generate(model, drafter, p, repeat_tokens, gamma, 0.0, seed=0)[1]]
+        steps = run_repeat()
+        secs = benchmark(run_repeat, warmup=0, repeats=repeats, device=dev).median
+        st = trace_stats(steps)
+        repeat_rows[name, gamma] = dict(alpha=st.acceptance_rate, per_pass=st.tokens_per_pass, speedup=base_repeat / secs)
+        print(f"{name:15} {gamma:5d} {st.acceptance_rate:7.2f} {st.tokens_per_pass:8.2f} {n_repeat / secs:9.1f} {base_repeat / secs:7.2f}x")
+for name in drafters:
+    best = max(repeat_gammas, key=lambda g: repeat_rows[name, g]["speedup"])
+    record("spec_best_speedup_repeating_" + name.replace(" ", "_"), repeat_rows[name, best]["speedup"], "x",
+           "the best drafter against plain decoding on the wall clock, text that repeats itself",
+           device=dev, dtype=env.dtype, gamma=best, acceptance=round(repeat_rows[name, best]["alpha"], 3),
+           prompts=len(repeat_prompts), new_tokens=repeat_tokens, workload="text that repeats itself")
+"""),
+md(r"""
+Compare the two tables. On text that repeats itself prompt lookup's acceptance rate is high, its runs
+are long, and tokens per pass keep climbing with $\gamma$: a draft of several tokens is accepted
+whole. The draft model does not know what is being copied, so its numbers barely move. Whether the
+wall clock follows depends on what a target pass over $\gamma + 1$ tokens costs next to a pass
+over one, on your machine: read the speedup column.
 
 ### Sampling
 
