@@ -59,5 +59,6 @@ def bench_replayed(fn: Callable, *args, quantiles: list[float] | None = None, re
 
     l2 = torch.cuda.get_device_properties(tensors[0].device if tensors else 0).L2_cache_size
     sets = itertools.cycle(input_copies(args, l2))
+    torch.cuda.synchronize()             # the copies are made before the timing runs on its own stream
     return triton.testing.do_bench_cudagraph(lambda: fn(*next(sets)), rep=rep, quantiles=quantiles,
                                              return_mode="median")
