@@ -111,7 +111,7 @@ def embed(model: Decoder, input_ids: torch.Tensor, position_ids: torch.Tensor):
     x = model.embed(input_ids)                                            # (B, T, C)
     if cfg.family == "gpt2":
         return x + model.pos_embed(position_ids), None
-    return x, rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta)
+    return x, rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
 
 
 def project_qkv(model: Decoder, block, x: torch.Tensor, rope):
