@@ -4,8 +4,9 @@
     python -m autograder.gpu_check --labs 05_paged_kv_cache 06_triton_kernels --modes quick
 
 What `make test-gpu` runs, and what runs on a bare GPU machine where the Makefile cannot (torch,
-transformers and triton already there, no network): it needs only nbclient, nbformat and ipykernel
-beside the course. Each step that needs more says so in the report instead of failing:
+transformers and triton already there, no network): it needs nbclient, nbformat and ipykernel beside
+the course, and lab 11 its server stack (starlette, uvicorn, openai with pydantic, jiter and distro;
+wheels can travel). Each step that needs more says so in the report instead of failing:
 
 1. every lab's SOURCE notebook (solutions and hidden tests) executed top to bottom, in quick and in
    full mode: each graded cell's score, every cell that raised, the lab's time, and what its Measure
