@@ -120,7 +120,8 @@ TARGETS = (
     Target("06_triton_kernels", "engine_paged_triton_vs_contiguous", 0.9,
            "issues 15, 16: the paged engine with the Triton kernel >= 0.9x the contiguous engine"),
     Target("08_speculative_decoding", "spec_best_speedup_*", 1.5, "issue 15: the best drafter >= 1.5x wall clock"),
-    Target("09_prefix_caching", "prefix_cache_ttft_speedup", 3.0, "issue 15: prefix-cache TTFT >= 3x"),
+    Target("09_prefix_caching", "prefix_cache_ttft_speedup*", 3.0,
+           "issue 15: prefix-cache TTFT >= 3x (eager, or the cached suffix from a graph)"),
 )
 TARGET_LABS = tuple(dict.fromkeys(t.lab for t in TARGETS))
 
