@@ -414,10 +414,15 @@ print(f"{n} new tokens on {env.device} (float32): yours {mine_s[-1]:.2f} s ({n /
       f"generate {hf_s[-1]:.2f} s ({n / hf_s[-1]:.1f} tokens/s): {mine_s[-1] / hf_s[-1]:.1f}x")
 """),
 md(r"""
-Your loop gives the same answer but slows down as the text grows: at step `t` it runs the model over
-all `T + t` tokens again, recomputing what it computed the step before. `generate` keeps each
-layer's keys and values from earlier steps (the **KV cache**) and feeds the model only the newest
-token. Lab 02 measures the two phases this creates (prefill and decode); lab 03 has you build the cache.
+Your loop gives the same answer, but at step `t` it runs the model over all `T + t` tokens again,
+recomputing what it computed the step before. `generate` keeps each layer's keys and values from
+earlier steps (the **KV cache**) and feeds the model only the newest token. On a CPU, where the time
+follows the arithmetic, your plot shows it: your line bends upward as the text grows, `generate`'s
+stays straight. On a GPU, at this model size, it may not show yet: a pass over a few dozen tokens
+costs about what a pass over one does, because launching its kernels takes most of the time, and
+your lean loop can even beat `generate`, which does more bookkeeping per step (the ratio you printed
+says). Lab 02 measures why, and the two phases the cache creates (prefill and decode); lab 03 has
+you build the cache.
 
 ## Summary
 
