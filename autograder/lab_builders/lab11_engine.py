@@ -216,8 +216,10 @@ print(f"chat-0 waited {np.median(gaps):.0f} ms for a typical token, {max(gaps):.
 '''),
 md(r"""
 Read your numbers. A decode step of three requests is short. The step that holds the document's
-prefill is many times longer, and during it the three chat requests get **nothing**: each of their
-users sees the text stop for as long as someone else's prompt takes. That gap is an
+prefill is longer (on a CPU many times longer), and during it the three chat requests get
+**nothing**: each of their users sees the text stop for as long as someone else's prompt takes. (On
+a GPU this small model's eager steps are launch-bound, so the document's step may cost little more
+than a decode step; section 7 says when the stall comes back there.) That gap is an
 **inter-token latency**, and its tail (the 99th percentile) is what chunked prefill will cut in
 section 7.
 
