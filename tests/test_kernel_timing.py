@@ -43,3 +43,5 @@ def test_bench_replayed_refuses_cpu_tensors():
         bench_replayed(torch.add, torch.ones(2), torch.ones(2))
     with pytest.raises(TypeError, match="fn must be"):
         bench_replayed("not a function", torch.ones(2))
+    with pytest.raises(ValueError, match="tensor argument"):
+        bench_replayed(lambda: None)

@@ -52,12 +52,14 @@ def bench_replayed(fn: Callable, *args, quantiles: list[float] | None = None, re
     if not callable(fn):
         raise TypeError(f"fn must be the function to time, got {type(fn).__name__}")
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if tensors and not all(t.is_cuda for t in tensors):
+    if not tensors:
+        raise ValueError("bench_replayed needs at least one tensor argument (the inputs each call reads)")
+    if not all(t.is_cuda for t in tensors):
         raise ValueError("bench_replayed times a GPU: every tensor argument must be on a CUDA device, got "
                          + ", ".join(sorted({str(t.device) for t in tensors})))
     import triton.testing
 
-    l2 = torch.cuda.get_device_properties(tensors[0].device if tensors else 0).L2_cache_size
+    l2 = torch.cuda.get_device_properties(tensors[0].device).L2_cache_size
     sets = itertools.cycle(input_copies(args, l2))
     torch.cuda.synchronize()             # the copies are made before the timing runs on its own stream
     return triton.testing.do_bench_cudagraph(lambda: fn(*next(sets)), rep=rep, quantiles=quantiles,

@@ -46,7 +46,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x / sqrt(mean(x^2) + eps) in float32, one fused op (on a GPU one kernel instead of five)
+        # x / sqrt(mean(x^2) + eps) in float32: one call of a fused op instead of five ops written out
         x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * x32.to(x.dtype)
 
