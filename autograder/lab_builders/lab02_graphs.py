@@ -372,10 +372,9 @@ md(r'''
 Read the speedup column against your profile. **On a GPU** the graph removes the launches, and the
 step drops several-fold, down to about the "device busy" line of your profile: what is left is the
 kernels themselves, a thousand or so, each a microsecond or a few even with nobody waiting for
-Python, still far above the roofline bound (on the H100 we tried: eager 17-21 ms, the graph 3.4 ms,
-5-6x). `torch.compile` goes further because it attacks that remainder: it **fuses** runs of small
-ops into fewer, generated kernels, then replays those from graphs too (1.8 ms there, 12x, after a
-30 s compile). **On a CPU** your graph is the stand-in: it reruns the same ops one by one from
+Python, still far above the roofline bound. `torch.compile` goes further (your third line, in full
+mode) because it attacks that remainder: it **fuses** runs of small ops into fewer, generated
+kernels, then replays those from graphs too, after a compile of tens of seconds. **On a CPU** your graph is the stand-in: it reruns the same ops one by one from
 Python (it skips the modules' Python code, but copies every result into its static buffer), so its
 time is about eager's, give or take the noise of your machine. That is not a failure of the idea:
 your profile showed that a CPU step spends its time in the work, not in launching it.
