@@ -47,8 +47,9 @@ def bench_replayed(fn: Callable, *args, quantiles: list[float] | None = None, re
     copies of the tensor arguments that outrun the L2 cache (see the module's docstring). With
     `quantiles`, those quantiles instead, as `triton.testing.do_bench` returns them.
 
-    `fn` must be capturable: no synchronization, no `.item()`, no printing; an autotuned kernel
-    tunes on the first, uncaptured call."""
+    `fn` should be capturable: no synchronization, no `.item()`, no copy from the host (an autotuned
+    kernel tunes on the first, uncaptured call). One that is not is timed with do_bench instead,
+    launches included, and a printed line says so."""
     if not callable(fn):
         raise TypeError(f"fn must be the function to time, got {type(fn).__name__}")
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -62,5 +63,11 @@ def bench_replayed(fn: Callable, *args, quantiles: list[float] | None = None, re
     l2 = torch.cuda.get_device_properties(tensors[0].device).L2_cache_size
     sets = itertools.cycle(input_copies(args, l2))
     torch.cuda.synchronize()             # the copies are made before the timing runs on its own stream
-    return triton.testing.do_bench_cudagraph(lambda: fn(*next(sets)), rep=rep, quantiles=quantiles,
-                                             return_mode="median")
+    try:
+        return triton.testing.do_bench_cudagraph(lambda: fn(*next(sets)), rep=rep, quantiles=quantiles,
+                                                 return_mode="median")
+    except RuntimeError as e:            # a call a graph cannot hold (a .item(), a host copy, a sync)
+        torch.cuda.synchronize()
+        print(f"bench_replayed: {getattr(fn, '__name__', 'fn')} could not be captured in a CUDA graph "
+              f"({str(e).splitlines()[0][:120]}); timed with triton.testing.do_bench instead, Python's launches included")
+        return triton.testing.do_bench(lambda: fn(*next(sets)), quantiles=quantiles, return_mode="median")
