@@ -89,7 +89,7 @@ of the paged blocks of lab 05.
 **Time:** about 2 hours 45 minutes: 35 minutes of reading, five problems (block hashes 15 minutes,
 the block pool 35, the prefix cache 30, the prefill 25, the radix tree 45), and 2-3 minutes of running
 on a laptop CPU. **Hardware:** everything runs on a laptop CPU (small workloads there);
-a GPU only makes the measurements bigger.
+on a GPU the workloads grow, and section 6 shows what the cache is worth there.
 """),
 locked("colab_install", COLAB_INSTALL),
 locked("setup", SETUP),
