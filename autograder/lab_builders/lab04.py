@@ -979,8 +979,9 @@ is busy, and newcomers' prefills ride along. (The mean request latency printed a
 differently: all requests arrive at once, so most of their latency is queueing for a slot, and
 more slots cut it.) On a busy machine the seconds jump around from run to run; if a curve zigzags,
 run the cell again. The step counts never change. On a GPU, where an eager step of this model is
-launch-bound, the eager curves climb almost in proportion to the batch (a step costs about the same
-at every size); the CUDA-graph curve sits above them, and is where a server would run.
+launch-bound, a step costs about the same at every size, so the eager curves climb with the batch as
+far as the batches are full (on a small workload they seldom are); the CUDA-graph curve sits above
+them, and is where a server would run.
 
 ### Against Hugging Face `generate`
 
