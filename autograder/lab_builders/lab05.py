@@ -1093,8 +1093,9 @@ Read your rows. Eager on a CPU, your ratio is the price of the per-sequence gath
 which are real work there (usually a loss of a few to a few tens of percent; with very few requests,
 as in quick mode, the noise of a busy machine can hide it). On a GPU, the eager rows mostly measure kernel launches: a decode step of
 this model is launch-bound (lab 02), and your reference adds a Python loop and a host read per
-sequence and layer. With graphs, each engine's step is one replay, several times faster, and what
-remains is the kernels' own cost.
+sequence and layer. With graphs, each engine's decode step is one replay, faster by the launches it
+no longer pays (your rows say how much; in a short run the prefills, which stay eager, weigh more),
+and what remains is the kernels' own cost.
 
 ## Summary
 
