@@ -1004,8 +1004,9 @@ one token. Whether that compute was what took the time depends on your machine:
 - **On a GPU**, with eager steps, your cache barely helps (close to 1x): a step over one token and a
   step over a few hundred launch the same thousand kernels, and lab 02 showed that the launches are
   the step. The saving is real but hidden. Capture the decode step in a CUDA graph and it appears:
-  the green line, several times faster than no cache (your line "with the decode step in a CUDA graph" says how many). What is
-  left of each graph step is a thousand tiny kernels, still far above the roofline.
+  the green line, several times faster than no cache (your line "with the decode step in a CUDA
+  graph" says how many). What is left of each graph step is a thousand tiny kernels, still far
+  above the roofline.
 
 The cache removes compute that grows with the **square** of the length, and pays with memory that
 grows **linearly** with it. Try a prompt of a few hundred tokens: every uncached step becomes a long
