@@ -402,7 +402,7 @@ every time. Engines replay passes of small, fixed sizes from CUDA graphs (vLLM c
 passes up to a few hundred tokens and runs longer prefills eagerly), so a prefill that the cache
 made short can be replayed from a graph, while a whole prompt, whose length changes with every
 request, runs eagerly. Below, one sequence in a one-slot cache (labs 03 and 08) with one graph
-captured for passes of `W` tokens, `W` the longest question rounded up to 16. After the cached
+captured for passes of `W` tokens, `W` a multiple of 16 longer than any question. After the cached
 system prompt, each question is sent as its last `W` prompt tokens: a question shorter than `W`
 recomputes a few system-prompt tokens that were already cached, which costs nothing extra in a
 graph of fixed size. Three times to first token, over the same questions (on a CPU the graph is
@@ -414,7 +414,7 @@ from course.engine.width_graphs import SlotCachePool
 
 sys_ids = encode(f"System: {system}\n")
 asked_ids = [chat_prompt(system, q) for q in asked]
-W = -(-max(len(p) - len(sys_ids) for p in asked_ids) // 16) * 16      # the longest question, in whole 16s
+W = (max(len(p) - len(sys_ids) for p in asked_ids) // 16 + 1) * 16   # past the longest question, in whole 16s
 assert W <= len(sys_ids), "the graph's window must start inside the cached system prompt"
 one = SlotCachePool(graphs=True).get(model, max(len(p) for p in asked_ids), widths=(W,))   # graph of W tokens
 
