@@ -1032,11 +1032,11 @@ if env.gpu and not env.quick:
     # Hugging Face's recipe: the forward pass compiled whole (fullgraph) with CUDA graphs ("reduce-overhead"),
     # and a static cache so that every decode step has the same shapes. generate's automatic compile stays
     # off (it would compile a second time). If the recipe fails here, generate's automatic compile instead.
-    recipes = {"forward compiled (fullgraph)": dict(cache_implementation="static", disable_compile=True),
-               "generate's automatic compile": dict(cache_implementation="static")}
-    for recipe, kwargs in recipes.items():
+    recipes = [("forward compiled (fullgraph)", True, dict(cache_implementation="static", disable_compile=True)),
+               ("generate's automatic compile", False, dict(cache_implementation="static"))]
+    for recipe, compile_forward, kwargs in recipes:
         try:
-            if "fullgraph" in recipe:
+            if compile_forward:
                 hf_bf.forward = torch.compile(hf_bf.forward, mode="reduce-overhead", fullgraph=True)
             start = clock(env.device)
             for _ in range(3):                        # compile (prefill and decode shapes), record graphs

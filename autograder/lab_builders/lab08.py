@@ -1029,15 +1029,20 @@ measure_prompts = [tokenizer(t).input_ids for t in measure_texts[:n_prompts]]
 repeats = env.pick(2, 1, cpu=1)
 caches.graphs = env.gpu        # on a GPU every pass from here on replays a CUDA graph (captured on first use)
 
-def run_all(drafter, gamma, temperature=0.0):
-    '''Steps of every prompt, and the median wall time of generating them all.'''
-    out = {}
+def run_all(drafter, gamma, temperature=0.0, prompts=None, n_new=None):
+    '''Steps of every prompt, and the median wall time of generating them all (the measure prompts by default).'''
+    prompts, n_new, out = prompts or measure_prompts, n_new or new_tokens, {}
     def run():
-        out["steps"] = [s for p in measure_prompts for s in speculative_generate(model, drafter, p, new_tokens, gamma, temperature, seed=0)[1]]
+        out["steps"] = [s for p in prompts for s in speculative_generate(model, drafter, p, n_new, gamma, temperature, seed=0)[1]]
     seconds = benchmark(run, warmup=1 if caches.graphs else 0, repeats=repeats, device=dev).median   # (capture untimed)
     return out["steps"], seconds
 
-base = benchmark(lambda: [plain_generate(model, p, new_tokens) for p in measure_prompts], repeats=repeats, device=dev).median
+def plain_time(prompts=None, n_new=None):
+    '''Median wall time of plain greedy decoding of every prompt.'''
+    prompts, n_new = prompts or measure_prompts, n_new or new_tokens
+    return benchmark(lambda: [plain_generate(model, p, n_new) for p in prompts], repeats=repeats, device=dev).median
+
+base = plain_time()
 print(f"plain cached greedy decoding: {n_prompts * new_tokens / base:.1f} tokens/s ({n_prompts} prompts x {new_tokens} tokens)\n")
 drafters = {draft_name: ModelDrafter(draft, draft_name), "prompt lookup": NgramDrafter(model.cfg.vocab_size)}
 rows = {}
@@ -1061,7 +1066,7 @@ for name in drafters:
 if caches.graphs:                # the best drafter again, every pass launched op by op
     best_name, best_gamma = max(rows, key=lambda k: rows[k]["speedup"])
     caches.graphs = False
-    base_eager = benchmark(lambda: [plain_generate(model, p, new_tokens) for p in measure_prompts], repeats=repeats, device=dev).median
+    base_eager = plain_time()
     _, secs_eager = run_all(drafters[best_name], best_gamma)
     caches.graphs = True
     print(f"\nwithout CUDA graphs: plain decoding {n_prompts * new_tokens / base_eager:.1f} tokens/s, {best_name} "
@@ -1123,17 +1128,14 @@ repeat_texts = ["Text: The quick brown fox jumps over the lazy dog. The dog slee
 repeat_prompts = [tokenizer(t).input_ids for t in repeat_texts[:env.pick(2, 1)]]
 repeat_tokens, repeat_gammas = env.pick(48, 16, cpu=32), env.pick([2, 4, 6, 8], [4], cpu=[2, 4, 6])
 n_repeat = len(repeat_prompts) * repeat_tokens
-base_repeat = benchmark(lambda: [plain_generate(model, p, repeat_tokens) for p in repeat_prompts], repeats=repeats, device=dev).median
+base_repeat = plain_time(repeat_prompts, repeat_tokens)
 print(f"plain decoding: {n_repeat / base_repeat:.1f} tokens/s ({len(repeat_prompts)} prompts x {repeat_tokens} tokens, {dev}, {env.dtype})")
 print(f"{'drafter':15} {'gamma':>5} {'accept':>7} {'tok/pass':>8} {'tokens/s':>9} {'speedup':>8}")
 repeat_rows = {}
 for name, drafter in drafters.items():
     for gamma in repeat_gammas:
-        out = {}
-        def run_repeat():
-            out["steps"] = [s for p in repeat_prompts for s in speculative_generate(model, drafter, p, repeat_tokens, gamma, 0.0, seed=0)[1]]
-        secs = benchmark(run_repeat, warmup=1 if caches.graphs else 0, repeats=repeats, device=dev).median
-        st = trace_stats(out["steps"])
+        steps, secs = run_all(drafter, gamma, prompts=repeat_prompts, n_new=repeat_tokens)
+        st = trace_stats(steps)
         repeat_rows[name, gamma] = dict(alpha=st.acceptance_rate, per_pass=st.tokens_per_pass, speedup=base_repeat / secs)
         print(f"{name:15} {gamma:5d} {st.acceptance_rate:7.2f} {st.tokens_per_pass:8.2f} {n_repeat / secs:9.1f} {base_repeat / secs:7.2f}x")
 for name in drafters:
