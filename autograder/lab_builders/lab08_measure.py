@@ -1,0 +1,295 @@
+"""Lab 08, the end of section 5 and section 6: the trace widget, the measurements (acceptance rate,
+tokens per target pass and wall-clock speedup per drafter and draft length, on fresh and on
+repeating text), the real model pairs, then the summary and going further."""
+from autograder.authoring import code, md
+
+CELLS = [
+md(r"""
+### See it: the trace
+
+Every step of a run, replayed. Underlined green: drafts the target accepted; struck-out red: the
+first rejected draft; grey: drafts after it, discarded unchecked; orange: the target's correction;
+blue: a bonus token (all drafts passed); light grey: a plain step (no draft to check). Pick a drafter and move the slider: one position is one
+target pass. The table lists the latest passes.
+"""),
+code(r"""
+from course.widgets import spec_trace
+
+trace_prompt = "Once upon a time, there was a fox who"
+trace_ids = tokenizer(trace_prompt).input_ids
+trace_new = env.pick(64, 24, cpu=40)
+runs = {}
+for drafter in (ModelDrafter(draft, draft_name), NgramDrafter(model.cfg.vocab_size)):
+    _, runs[drafter.name] = speculative_generate(model, drafter, trace_ids, trace_new, gamma=4)
+spec_trace(runs, lambda t: tokenizer.decode([t]), prompt=trace_prompt)
+"""),
+md(r"""
+Where does the trained draft fail? Often on the first token of a new idea (a name, a number, a
+rare word: the draft's head does not even have most rare tokens) and rarely inside a common phrase.
+Prompt lookup proposes nothing at first, then shines once the text starts to repeat itself.
+
+## 6. Measure
+
+Three numbers per drafter and draft length $\gamma$:
+
+- **acceptance rate** $\alpha$: accepted drafts over *checked* drafts (the accepted ones plus the
+  one rejection that ends a step; drafts discarded after it were never checked);
+- **tokens per target pass**: new tokens over steps. If each draft were accepted independently
+  with probability $\alpha$, a step would yield $1 + \alpha + \alpha^2 + \dots + \alpha^\gamma =
+  \frac{1 - \alpha^{\gamma+1}}{1 - \alpha}$ tokens (Leviathan et al., 2023). Compare;
+- **speedup**: the wall time of `plain_generate` over that of `speculative_generate`, same prompt,
+  same number of tokens. It depends on the draft's cost too: $\gamma$ draft passes per step.
+
+A few prompts the draft never saw in training. The cell prints a table and plots it; it takes about
+a minute on a CPU (more prompts, tokens and values of $\gamma$ on a GPU). Timings on a shared or busy
+machine are noisy: rerun the cell if a number looks odd.
+
+On a GPU the cell first turns on CUDA graphs for every cache the generators get (lab 02): the
+target's verify pass ($\gamma + 1$ tokens, or 1 when the drafter had nothing), the draft's passes
+and the plain decoding baseline each replay a captured graph instead of launching about a thousand
+kernels one by one. It then reruns the plain baseline and the best drafter without graphs, so you see
+what launch overhead does to speculative decoding. On a CPU every pass runs eagerly: a CPU has no
+launches to remove.
+"""),
+code(r"""
+import matplotlib.pyplot as plt
+import numpy as np
+from course.widgets.spec_trace import trace_stats
+
+measure_texts = ["The history of the printing press begins in", "Here is a simple recipe for banana bread:",
+                 "def bubble_sort(items):\n    ", "My grandfather told me a story about"]
+# Sized to a few minutes: on a GPU an eager pass of this small model costs a launch-bound ~30 ms (lab 02)
+n_prompts, new_tokens = env.pick((3, 64), (1, 16), cpu=(2, 32))
+gammas = env.pick([1, 2, 4, 6], [2], cpu=[1, 2, 4])
+measure_prompts = [tokenizer(t).input_ids for t in measure_texts[:n_prompts]]
+repeats = env.pick(2, 1, cpu=1)
+caches.graphs = env.gpu        # on a GPU every pass from here on replays a CUDA graph (captured on first use)
+
+def run_all(drafter, gamma, temperature=0.0, prompts=None, n_new=None):
+    '''Steps of every prompt, and the median wall time of generating them all (the measure prompts by default).'''
+    prompts, n_new, out = prompts or measure_prompts, n_new or new_tokens, {}
+    def run():
+        out["steps"] = [s for p in prompts for s in speculative_generate(model, drafter, p, n_new, gamma, temperature, seed=0)[1]]
+    seconds = benchmark(run, warmup=1 if caches.graphs else 0, repeats=repeats, device=dev).median   # (capture untimed)
+    return out["steps"], seconds
+
+def plain_time(prompts=None, n_new=None):
+    '''Median wall time of plain greedy decoding of every prompt.'''
+    prompts, n_new = prompts or measure_prompts, n_new or new_tokens
+    return benchmark(lambda: [plain_generate(model, p, n_new) for p in prompts], repeats=repeats, device=dev).median
+
+base = plain_time()
+print(f"plain cached greedy decoding: {n_prompts * new_tokens / base:.1f} tokens/s ({n_prompts} prompts x {new_tokens} tokens)\n")
+drafters = {draft_name: ModelDrafter(draft, draft_name), "prompt lookup": NgramDrafter(model.cfg.vocab_size)}
+rows = {}
+print(f"{'drafter':15} {'gamma':>5} {'accept':>7} {'tok/pass':>8} {'formula':>8} {'tokens/s':>9} {'speedup':>8}")
+for name, drafter in drafters.items():
+    for gamma in gammas:
+        steps, secs = run_all(drafter, gamma)
+        st = trace_stats(steps)
+        a = st.acceptance_rate
+        formula = gamma + 1.0 if a == 1 else (1 - a ** (gamma + 1)) / (1 - a)     # nan when nothing was checked
+        rows[name, gamma] = dict(alpha=a, per_pass=st.tokens_per_pass, formula=formula, speedup=base / secs)
+        print(f"{name:15} {gamma:5d} {a:7.2f} {st.tokens_per_pass:8.2f} {formula:8.2f} "
+              f"{n_prompts * new_tokens / secs:9.1f} {base / secs:7.2f}x")
+from course.report import record
+for name in drafters:
+    best = max(gammas, key=lambda g: rows[name, g]["speedup"])
+    record("spec_best_speedup_" + name.replace(" ", "_"), rows[name, best]["speedup"], "x",
+           "the best drafter against plain decoding on the wall clock, fresh text",
+           device=dev, dtype=env.dtype, gamma=best, acceptance=round(rows[name, best]["alpha"], 3),
+           prompts=n_prompts, new_tokens=new_tokens, workload="fresh text")
+if caches.graphs:                # the best drafter again, every pass launched op by op
+    best_name, best_gamma = max(rows, key=lambda k: rows[k]["speedup"])
+    caches.graphs = False
+    base_eager = plain_time()
+    _, secs_eager = run_all(drafters[best_name], best_gamma)
+    caches.graphs = True
+    print(f"\nwithout CUDA graphs: plain decoding {n_prompts * new_tokens / base_eager:.1f} tokens/s, {best_name} "
+          f"(gamma {best_gamma}) {base_eager / secs_eager:.2f}x; with graphs: {rows[best_name, best_gamma]['speedup']:.2f}x")
+    record("spec_eager_best_speedup", base_eager / secs_eager, "x", "the best drafter without CUDA graphs",
+           device=dev, dtype=env.dtype, gamma=best_gamma, drafter=best_name)
+ee_steps, _ = run_all(ModelDrafter(early_exit, "early exit"), gammas[0])
+print(f"\nuntrained early exit (4 blocks, full head), gamma {gammas[0]}: acceptance rate {trace_stats(ee_steps).acceptance_rate:.2f}")
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+for name, color in zip(drafters, ("C0", "C2")):
+    xs = gammas
+    axes[0].plot(xs, [rows[name, g]["per_pass"] for g in xs], "o", color=color, label=f"{name}: measured")
+    axes[0].plot(xs, [rows[name, g]["formula"] for g in xs], "x--", color=color, label=f"{name}: (1-a^(g+1))/(1-a)")
+    axes[1].plot(xs, [rows[name, g]["speedup"] for g in xs], "o-", color=color, label=name)
+axes[0].set_xlabel("draft length gamma"); axes[0].set_ylabel("tokens per target pass"); axes[0].legend(fontsize=8)
+axes[1].axhline(1, color="gray", lw=1); axes[1].set_xlabel("draft length gamma"); axes[1].set_ylabel("speedup over plain decoding")
+axes[1].legend(fontsize=8)
+for ax in axes:
+    ax.grid(alpha=0.3)
+plt.tight_layout(); plt.show()
+"""),
+md(r"""
+Read your table:
+
+- Does the formula track the measured tokens per pass? It assumes every draft is accepted with the
+  same probability, independently. Prompt lookup breaks that twice: it proposes fewer than $\gamma$
+  tokens (or none) when no n-gram matches, and its guesses come in runs (a repeated passage is
+  right for many tokens, then wrong).
+- Why does the speedup stop growing, or fall, with $\gamma$, while tokens per pass keep rising? Each
+  extra draft costs a draft pass for sure and pays only if all earlier drafts were accepted. With
+  draft cost $c$ (a draft pass over a target pass) the expected speedup is
+  $\frac{1 - \alpha^{\gamma+1}}{(1 - \alpha)(\gamma c + 1)}$, assuming a target pass over
+  $\gamma + 1$ tokens costs what a pass over one does (check that against your first measurement).
+- The untrained early exit is what you get from a draft that does not match the target: almost
+  nothing is accepted, and the draft passes are pure loss. Training the adapter is what made the
+  4-block draft's guesses acceptable; whether they also save time depends on $c$. On a CPU a pass
+  costs about what its weights do: the draft's 4 blocks of 30 and the shared LM head are about a
+  third of the target's. On a GPU without graphs every pass costs what launching its kernels costs
+  (lab 02), and each step adds small launches and host reads of its own (the probability rows, the
+  argmaxes, the tokens read back to Python) that cost next to nothing on a CPU. On a GPU, compare the
+  line printed under your table (no graphs) with the table (graphs): the difference is what launch
+  overhead costs speculative decoding there. Prompt lookup's draft costs almost nothing, so it pays
+  wherever the text repeats itself.
+
+### Text that repeats itself
+
+The prompts above ask for fresh text, where nothing can be copied. Much real traffic is not like
+that: a model asked to edit code or a document writes most of it back unchanged, and structured output
+repeats its keys on every record. That is where engines switch prompt lookup on (vLLM calls it
+`ngram` speculation). Two such prompts: a passage to copy word for word, and a list of records in one
+format. The same drafters, against plain decoding on the same prompts:
+"""),
+code(r"""
+repeat_texts = ["Text: The quick brown fox jumps over the lazy dog. The dog sleeps in the warm sun all afternoon, "
+                "while the fox runs into the forest to find its friends.\nThe same text, copied word for word: The quick brown fox",
+                '[{"name": "Alice", "age": 30, "city": "Paris", "email": "alice@example.com"},\n'
+                ' {"name": "Bob", "age": 25, "city": "London", "email": "bob@example.com"},\n {"name": "Carol",']
+repeat_prompts = [tokenizer(t).input_ids for t in repeat_texts[:env.pick(2, 1)]]
+repeat_tokens, repeat_gammas = env.pick(48, 16, cpu=32), env.pick([2, 4, 6, 8], [4], cpu=[2, 4, 6])
+n_repeat = len(repeat_prompts) * repeat_tokens
+base_repeat = plain_time(repeat_prompts, repeat_tokens)
+print(f"plain decoding: {n_repeat / base_repeat:.1f} tokens/s ({len(repeat_prompts)} prompts x {repeat_tokens} tokens, {dev}, {env.dtype})")
+print(f"{'drafter':15} {'gamma':>5} {'accept':>7} {'tok/pass':>8} {'tokens/s':>9} {'speedup':>8}")
+repeat_rows = {}
+for name, drafter in drafters.items():
+    for gamma in repeat_gammas:
+        steps, secs = run_all(drafter, gamma, prompts=repeat_prompts, n_new=repeat_tokens)
+        st = trace_stats(steps)
+        repeat_rows[name, gamma] = dict(alpha=st.acceptance_rate, per_pass=st.tokens_per_pass, speedup=base_repeat / secs)
+        print(f"{name:15} {gamma:5d} {st.acceptance_rate:7.2f} {st.tokens_per_pass:8.2f} {n_repeat / secs:9.1f} {base_repeat / secs:7.2f}x")
+for name in drafters:
+    best = max(repeat_gammas, key=lambda g: repeat_rows[name, g]["speedup"])
+    record("spec_best_speedup_repeating_" + name.replace(" ", "_"), repeat_rows[name, best]["speedup"], "x",
+           "the best drafter against plain decoding on the wall clock, text that repeats itself",
+           device=dev, dtype=env.dtype, gamma=best, acceptance=round(repeat_rows[name, best]["alpha"], 3),
+           prompts=len(repeat_prompts), new_tokens=repeat_tokens, workload="text that repeats itself")
+"""),
+md(r"""
+Compare the two tables. On text that repeats itself prompt lookup's acceptance rate is high, its runs
+are long, and tokens per pass keep climbing with $\gamma$: a draft of several tokens is accepted
+whole. The draft model does not know what is being copied, so its numbers barely move. Whether the
+wall clock follows depends on what a target pass over $\gamma + 1$ tokens costs next to a pass
+over one, on your machine: read the speedup column.
+
+### Sampling
+
+At temperature 1 the check is the rejection rule, and acceptance depends on how close the draft's
+whole distribution is to the target's: $\alpha = \sum_x \min(p(x), q(x))$ on average, not just
+agreement on the top token.
+"""),
+code(r"""
+sample_gamma = 4
+for name, drafter in drafters.items():
+    steps, secs = run_all(drafter, sample_gamma, temperature=1.0)
+    st = trace_stats(steps)
+    print(f"temperature 1, {name:14}: acceptance rate {st.acceptance_rate:.2f}, {st.tokens_per_pass:.2f} tokens per pass, "
+          f"speedup {base / secs:.2f}x (the baseline is greedy: sampling costs about the same)")
+out, _ = speculative_generate(model, drafters[draft_name], measure_prompts[0], env.pick(40, 12), sample_gamma,
+                              temperature=1.0, seed=1)
+print("\nsampled with speculative decoding:", repr(measure_texts[0] + tokenizer.decode(out)))
+"""),
+md(r"""
+Prompt lookup's one-hot $q$ is accepted only with probability $p(x)$, the target's own probability
+of the copied token: far below its greedy acceptance unless the target is sure.
+
+### Real pairs, if you choose to download them
+
+Our draft was cut out of its target. The usual pair is two models of one family, trained apart, with
+one tokenizer: SmolLM2-135M drafting for SmolLM2-360M, or distilgpt2 (6 layers) for gpt2 (12). The
+next cell measures their greedy acceptance rate with your `speculative_generate`. It downloads four
+models from the Hugging Face hub (about 1.9 GB in all), so it runs only if you set `DOWNLOAD = True`
+and the hub can be reached (Colab, most laptops); offline, as on the grading machine, it says so.
+Compare with the 4-block draft: a separately trained small model usually agrees with its big sibling
+far more often, at a higher cost per draft token.
+"""),
+code(r"""
+from course.models.loading import ModelUnavailableError
+
+def pair_acceptance(target_name: str, draft_name: str, gamma: int = 4):
+    '''Greedy acceptance rate and tokens per pass of draft_name drafting for target_name, on the measure prompts.'''
+    tok = course.load_tokenizer(target_name)
+    target, drafter = course.load_model(target_name, device=dev, dtype=env.dtype), ModelDrafter(course.load_model(draft_name, device=dev, dtype=env.dtype))
+    steps = [s for text in measure_texts[:n_prompts]
+             for s in speculative_generate(target, drafter, tok(text).input_ids, new_tokens, gamma)[1]]
+    return trace_stats(steps)
+
+DOWNLOAD = False   # True: fetch SmolLM2-360M and -135M, gpt2 and distilgpt2 from the hub (about 1.9 GB)
+for big, small in (("smollm2-360m", "smollm2-135m"), ("gpt2", "distilgpt2")):      # (target, draft)
+    if not DOWNLOAD:
+        print(f"{small} drafting for {big}: not run (set DOWNLOAD = True to fetch the two models)")
+        continue
+    try:
+        st = pair_acceptance(big, small)
+        print(f"{small} drafting for {big}, gamma 4: acceptance rate {st.acceptance_rate:.2f}, "
+              f"{st.tokens_per_pass:.2f} tokens per target pass")
+    except ModelUnavailableError as e:
+        print(f"{small} drafting for {big}: skipped ({str(e).split(': ', 1)[-1].split('.')[0]})")
+"""),
+md(r"""
+## Summary
+
+- Decoding is one token per pass; a pass over a few more tokens costs little more. Speculative
+  decoding spends that slack on the draft's guesses.
+- The target checks $\gamma$ drafts in **one** pass over the last token and the drafts; its
+  $\gamma + 1$ rows give a verdict for every draft plus one token of its own.
+- The KV cache **appends** the drafts and **rolls back** the rejected ones, in the target and in the
+  draft: a rollback only moves the length back.
+- **Greedy acceptance** keeps the drafts equal to the target's argmax: the output is exactly the
+  target's greedy text.
+- **Rejection sampling** accepts with $\min(1, p/q)$ and resamples from $\max(0, p - q)$ normalized,
+  with a bonus token from the last row: the output has exactly the target's distribution.
+- The gain depends on the acceptance rate, the draft length and the draft's cost; a draft that does
+  not match the target makes decoding *slower*.
+
+**Questions**
+1. The workshop slide says the target "verifies these tokens in parallel; worst case, re-run from
+   that point". What does the worst case cost with your implementation, compared with plain decoding?
+2. Why must the draft share the target's tokenizer? What would it take to use a draft with another vocabulary?
+3. Explain, with the two terms $\min(p, q)$ and $\max(0, p - q)$, why rejection sampling gives exactly
+   $p$. Would the chi-square check in the test under Problem 5 catch resampling from $p$ instead? Work out the first token's distribution in that case.
+4. From your table: which $\gamma$ is best for each drafter, and why is the best $\gamma$ for prompt
+   lookup larger?
+5. Your draft costs $c$ of a target pass. Using the speedup formula, what acceptance rate would it
+   need to reach 2x at $\gamma = 4$? Why does a big GPU target (a 70B model) make $c$ much smaller
+   than on this CPU?
+6. In a batched server (lab 04), each request accepts a different number of drafts per step. What
+   does that do to the batch, and to the paged KV cache of lab 05 (which blocks must be freed)?
+7. Why does speculative decoding help most at small batch sizes, and less when the batch already
+   fills the GPU's compute?
+
+## Going further
+
+- **A bigger target**: with the hub, try `("smollm2-1.7b", "smollm2-135m")` in the real-pairs cell
+  (a GPU helps). The bigger the gap between the two, the smaller the draft's cost $c$.
+- **vLLM** supports draft models, n-gram (prompt lookup), Medusa, MLP speculators and EAGLE; its
+  rejection sampler runs batched on the GPU, and the scheduler reserves KV slots for the drafts.
+  **SGLang** uses EAGLE with a tree of drafts. **TGI** offers n-gram and Medusa speculation.
+  **llama.cpp** has draft-model and lookup decoding.
+- **Self-drafting**: Medusa (extra heads on the target predict tokens 2, 3, ... ahead), EAGLE 1-3
+  (a one-layer draft on the target's hidden features, a reduced draft vocabulary like ours), LayerSkip
+  (early exit trained into the model) and Draft & Verify (skipping layers of the target).
+- **Token trees**: SpecInfer and EAGLE-2 check a tree of alternative drafts in one pass, with a
+  tree-shaped attention mask, to accept more per pass.
+- **Lookahead decoding** drafts n-grams from Jacobi iterations of the target itself.
+- Papers: Leviathan, Kalman and Matias, *Fast Inference from Transformers via Speculative Decoding*
+  (2023); Chen et al., *Accelerating Large Language Model Decoding with Speculative Sampling* (2023);
+  Cai et al., *Medusa* (2024); Li et al., *EAGLE* (2024); Saxena, *Prompt Lookup Decoding* (2023).
+"""),
+]
