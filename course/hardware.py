@@ -179,7 +179,8 @@ def device_peak(env, dtype: str | torch.dtype = torch.float32) -> Peak:
 
     A GPU found in `GPUS`: its datasheet figures. Any other GPU: measured here in `dtype` (a few
     seconds; quicker in quick mode). A CPU: measured, fp32 only (the labs run fp32 on a CPU). Pass
-    the dtype the model runs in (`env.dtype`): a GPU's bf16 tensor-core peak is 10-15x its fp32 one.
+    the dtype the model runs in (`env.dtype`): a GPU's bf16 tensor-core peak is 2-16x its fp32
+    one (about 15x on an A100 or H100).
     """
     if not (hasattr(env, "device") and hasattr(env, "quick")):
         raise TypeError(f"env must be the Environment returned by course.setup(), got {type(env).__name__}")

@@ -434,7 +434,7 @@ you build the cache.
 
 **Questions** (from the workshop this course grew from)
 1. What is the output of a forward pass: a token, or something else? What is its shape, and why does it have a row per input position?
-2. What are position ids for, and what would go wrong if every step restarted them at 1?
+2. What are position ids for? Your loop rebuilds them from 0 at every step: why is that right here? Try starting them at 1 instead: do the tokens change? (Hint: a RoPE score depends on the distance between two positions.) What position id will the newest token need once the model keeps the earlier tokens (lab 03)?
 3. What is the exit condition of the generation loop? Why keep the EOS token in the output?
 4. How many forward passes does generating 100 tokens take? Which of them repeat work?
 5. Greedy decoding tends to repeat itself. Try `greedy_generate` with 60 new tokens on a prompt of your own and look for a loop.

@@ -16,9 +16,9 @@ add(md(r'''
 
 Every request to a language model runs in two phases. **Prefill** pushes the whole prompt through
 the model in one forward pass and produces the first new token. **Decode** produces every later
-token, one forward pass per token. The two phases load the hardware in opposite ways: prefill keeps
-the arithmetic units busy, while decode spends most of its time waiting for the weights to arrive
-from memory. Nearly every trick of an inference engine (the KV cache, batching, chunked prefill,
+token, one forward pass per token. The two phases load the hardware in opposite ways: prefill gives
+the arithmetic units many FLOPs for each byte it reads, while decode gives them two per weight and
+spends its time waiting for the weights to arrive from memory. Nearly every trick of an inference engine (the KV cache, batching, chunked prefill,
 running the two phases on separate GPUs) follows from this one asymmetry. In this lab you count
 it, measure it, and see it on a plot of your own machine. Then you find the limit the count leaves
 out: on a GPU, a small model's decode step is a thousand tiny kernels, and launching them one by
@@ -48,8 +48,9 @@ add(md(r'''
 
 The same model as in lab 01: SmolLM2-135M in our from-scratch decoder (`model`) and in Hugging Face
 `transformers` (`hf_model`), both in `env.dtype`: float32 on a CPU, bfloat16 on a GPU (float16 on a
-GPU without bf16). Every timing and every roofline below names that dtype: a GPU does 10-15x more
-bf16 arithmetic per second than fp32. Our decoder has no KV cache yet (lab 03 adds it): every call
+GPU without bf16). Every timing and every roofline below names that dtype: a datacenter GPU (A100,
+H100) does about 15x more bf16 arithmetic per second than fp32, a smaller one 2-8x (section 2 lists
+them). Our decoder has no KV cache yet (lab 03 adds it): every call
 recomputes the whole sequence it is given. `make_prompt(n)` builds a prompt of exactly `n` tokens
 from a paragraph of text.
 '''))
@@ -354,7 +355,7 @@ for bad in [dict(n_new=1, bytes_per_param=0), dict(n_new=1, bytes_per_kv=-2)]:
 add(md(r'''
 ### What your counts say
 
-Your function, on SmolLM2 (fp32 as we run it here, and fp16 as servers run it) and on Llama-2-7B in
+Your function, on SmolLM2 (fp32, as a CPU runs it, and fp16, as a GPU or a server runs it) and on Llama-2-7B in
 fp16. Look at three columns: how many FLOPs each phase does per byte it moves, and how that changes
 (or does not) with the model and the precision.
 '''))
@@ -424,8 +425,8 @@ Read the plot. Decode sits far left of the ridge: even perfect code could only r
 intensity FLOP/s there, a small fraction of the peak, because each weight that arrives feeds just
 2 FLOPs. Prefill sits to the right of decode by about the prompt length; on a CPU that is right of
 the ridge, where the arithmetic is the limit (a GPU's ridge is much higher: see below). (The measured ceilings are
-what a plain matmul and a plain copy achieve; a busy machine lowers both. On a CPU, decode often
-reaches well under its roof: a one-row matrix product is not the access pattern CPUs stream best.)
+what a plain matmul and a plain copy achieve; a busy machine lowers both. The "x the bound" you
+printed says how close each phase came.)
 
 Now read how far below its roof your decode step landed: the "x the bound" you printed. On a CPU it
 is typically a small factor: the roofline explains most of the step. On a GPU the bound for this
@@ -461,7 +462,8 @@ ax.set_title("Llama-2-7B in fp16 on datacenter GPUs (hollow: the best each could
 plt.show()
 for name, (intensity, _) in gpu_points.items():
     print(f"{name:22} {intensity:7.1f} FLOP/byte: at most {h100.attainable(intensity) / h100.flops:6.1%} of an H100's compute")
-print(f"An H100 needs about {h100.ridge:.0f} FLOPs per byte: a prefill of about that many tokens, or a decode batch of that many sequences.")
+print(f"An H100 needs about {h100.ridge:.0f} FLOPs per byte: a prefill of about that many tokens. A decode batch needs more "
+      "sequences than that, and at long contexts no batch is enough (next plot).")
 '''))
 
 add(md(r'''
@@ -494,10 +496,13 @@ plt.show()
 '''))
 
 add(md(r'''
-At short contexts the intensity grows about linearly with the batch, and a large enough batch reaches
-the ridge. At long contexts it flattens: the attention part of decode reads a cache that no other
-sequence shares, so no batch size makes it compute-bound. GQA raises that ceiling by the number of
-query heads per KV head, one reason modern models use it.
+At short contexts the intensity first grows about linearly with the batch. It cannot grow forever:
+every sequence brings its own cache reads. Read the ridge lines: with full multi-head attention, even
+at a context of 128, no batch in the plot reaches either GPU's ridge; with GQA, a context of 128
+reaches the H100's near batch 512. At long contexts the curves flatten early: the attention part of
+decode reads a cache that no other sequence shares, so no batch size makes it compute-bound. GQA
+raises that ceiling by about the number of query heads per KV head (4 here), one reason modern
+models use it.
 
 Does batching pay off on this machine? Time one decode step (one token per sequence, no cache) at
 growing batch sizes. As long as something other than the batch's arithmetic dominates the step, a
@@ -746,8 +751,9 @@ for bad_start, bad in ((0.0, []), (0.0, [0.5, 0.4]), (1.0, [0.5, 1.5]), (1.0, [1
 add(md(r'''
 ### See it: the timeline of one request
 
-Your generator streams tokens from our cache-less model; `hf_model.generate` streams the same greedy
-tokens using its KV cache (`TokenTimer` records when each token arrives). Same prompt, same number
+Your generator streams tokens from our cache-less model; `hf_model.generate` streams greedy tokens
+too, using its KV cache (`TokenTimer` records when each token arrives). They are the same tokens in
+float32; in bf16 a near-tie can make the two programs part (your first line says). Same prompt, same number
 of tokens, timestamps taken as each token is handed over.
 '''))
 
@@ -795,8 +801,8 @@ Both loops start the same way: the first token needs a forward pass over the who
 two TTFTs are close. After that they part, or should. `generate` keeps the keys and values of every
 earlier token, so each decode step feeds the model one token, and its ITL stays flat. Your loop has
 no cache: every decode step is a new prefill of the whole sequence so far. On a CPU that shows at
-once: each ITL costs about a TTFT, and grows with the text (by how much depends on how many tokens
-the steps add to the prompt: your last line says). On a GPU, at this model size, it
+once: each ITL costs about a TTFT. It also grows with the text, but each step adds one token to a
+prompt of dozens or hundreds: over a short run the growth can hide in the noise (your last line says). On a GPU, at this model size, it
 may hardly show: a forward pass over a few hundred tokens launches the same thousand kernels as a
 pass over one, and section 3 showed that the launches are the step. The last line you printed says
 which case you are in. Either way, the decode phase is cheap only because of the KV cache, once the
@@ -1006,8 +1012,8 @@ The cache is tiny for one short request and dominant for many long ones. Read th
 you printed: at batch 32 an 80 GB GPU has room for just over 4,096 tokens per sequence, the model's
 full context, and by then the cache is about five times the size of the weights. The batch size a
 server can run is set by KV memory, and the batch size sets decode throughput. Hence the engine features of later labs: a cache allocated in pages instead of one
-maximum-length slab per request (lab 05), shared prefixes (lab 09), and, outside this course,
-smaller caches (GQA, MQA, 8-bit KV) and prefills split into chunks, which bound the activation peak.
+maximum-length slab per request (lab 05), shared prefixes (lab 09), smaller caches (8-bit keys and
+values: lab 10), and prefills split into chunks, which bound the activation peak (lab 11).
 
 ## Summary
 
@@ -1016,7 +1022,8 @@ smaller caches (GQA, MQA, 8-bit KV) and prefills split into chunks, which bound 
 - Per forward pass the weights are read once. Prefill spreads that read over every prompt token; a
   decode step spends it on one token per sequence. At batch 1, decode does about 2 FLOPs per weight
   for `bytes_per_param` bytes per weight: an intensity near 1 FLOP/byte in fp16, far left of any
-  GPU's ridge. **Decode is memory-bound; prefill is compute-bound.**
+  GPU's ridge. **On the roofline, decode is memory-bound; a prefill becomes compute-bound once its
+  prompt is longer than the ridge point: tens of tokens on a CPU, a few hundred on a GPU.**
 - **Batching** decode shares each weight read across sequences and raises the intensity, until
   the per-sequence KV reads dominate at long contexts.
 - The roofline leaves out the cost of **handing out the work**. A decode step of a small model is
@@ -1032,7 +1039,7 @@ smaller caches (GQA, MQA, 8-bit KV) and prefills split into chunks, which bound 
   during prefill. The KV cache, not the weights, limits the batch size.
 
 **Questions** (from the workshop and notes this course grew from)
-1. Why is prefill compute-bound and decode memory-bound? Answer with your two intensities and the ridge point of this machine.
+1. Where do your prefill and your decode step sit against the ridge point of this machine? Use your two intensities. On a GPU, what did your measured times show instead?
 2. What does time to first token measure, and what does time per output token measure? Which phase sets each?
 3. What do we gain by batching decode, and what do we lose? Use your batch measurement.
 4. Without a KV cache, did your inter-token latency grow with every token? Why (or why not, on a GPU)? What will a cache save: compute or memory, and at what price?

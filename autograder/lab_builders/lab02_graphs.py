@@ -83,8 +83,9 @@ work out**, one piece at a time (the launch line: how many pieces, times what on
 - **On a GPU** the CPU only launches each kernel and moves on; the GPU runs it in a few
   microseconds, often less than the launch took. For a 135 M model the kernels are so small that
   the GPU finishes each before the CPU has launched the next, so it waits through most of the step
-  (thin slivers of blue), and the step lasts about as long as the launches: a thousand or so
-  kernels at 5-20 µs each, against a roofline bound well under a millisecond. The model is
+  (thin slivers of blue), and the step lasts far longer than its kernels: a thousand or so of them,
+  each handed out by Python, PyTorch and the driver in 5-20 µs, against a roofline bound well under
+  a millisecond. The model is
   **launch-bound**: neither FLOPs nor bytes set its speed.
 
 Which one is your machine? The cell below says, from your numbers.
@@ -93,10 +94,13 @@ code(r'''
 share = launch_floor / t_step
 print(f"launches alone would take {launch_floor * 1e3:.2f} ms: {share:.0%} of your {t_step * 1e3:.2f} ms step "
       f"({WHERE}); the roofline bound is {bound['decode step'] / t_step:.1%} of it")
-if share > 0.5:
-    print("-> bound by launches: the work is done long before the next piece arrives. Removing the launches should pay off.")
+print(f"the device computed through {1 - prof.idle_share:.0%} of the profiled step")
+if prof.idle_share > 0.5:   # judged by the device's idle time: a launch cost measured on a bare add is only a floor
+    print("-> bound by launches: the device waits through most of the step for its next piece of work. "
+          "Removing the launches should pay off.")
 else:
-    print(f"-> bound by the work itself: removing every launch would save at most about {share:.0%} of the step.")
+    print(f"-> bound by the work itself: the device computes through most of the step; removing every launch "
+          f"would save at most about {min(share, 1):.0%} of it.")
 '''),
 md(r'''
 ### CUDA graphs: launch a whole step at once

@@ -14,7 +14,7 @@ Your greedy loop from lab 01 feeds the **whole** sequence to the model at every 
 Nothing about those tokens changed: in causal attention a token never looks at the tokens after it.
 So the fix is to keep what later tokens need from earlier ones, the **keys and values** of every
 layer, and to feed the model only the newest token. That is the **KV cache**. Every inference engine
-has one, and it soon becomes the largest thing in GPU memory, which is what labs 04, 05 and 08 manage.
+has one, and it soon becomes the largest thing in GPU memory, which is what labs 04, 05, 09 and 10 manage.
 
 **You will**
 - watch your lab 01 loop recompute the same numbers, by printing one entry of layer 0's keys at every step;
@@ -27,7 +27,7 @@ has one, and it soon becomes the largest thing in GPU memory, which is what labs
 **Time:** about 2 hours: 30 minutes of reading, four problems (cached attention about 35 minutes,
 threading the cache through the model 20, the generate loop 20, the cache size 10), and about 5
 minutes of running on a laptop CPU (the last measurement, up to 256 new tokens without a cache, takes
-most of it; with `COURSE_QUICK=1` it stops at 32 tokens), about 2 minutes on a GPU. **Hardware:**
+most of it; with `COURSE_QUICK=1` it stops at 16 tokens), about 2 minutes on a GPU. **Hardware:**
 everything runs on a CPU. On a GPU the model runs in bf16 and the last section adds two
 measurements only a GPU can make: the cache with its decode step in a CUDA graph, and Hugging Face's
 static cache with `torch.compile`.
@@ -116,10 +116,11 @@ for step, keys in enumerate(seen_keys):
     print(line)
 """),
 md(r"""
-The token axis (the third) grows by one per step, and the entry at position 3 never changes. The
+The token axis (the third) grows by one per step, and the entry at position 3 does not change. The
 loop recomputes it, and every other earlier row, at every step, and gets the same numbers again. (If a
-step shows a tiny change, $10^{-6}$ or less, that is float32 rounding: a matrix product with a
-different number of rows may add up its terms in a different order. No new information.) Count the rows computed
+step shows a tiny change, that is rounding: $10^{-6}$ or less in float32, up to about $10^{-2}$ in bf16
+on a GPU. A matrix product with a different number of rows may add up its terms in a different
+order. No new information.) Count the rows computed
 against the rows that were new:
 """),
 code(r"""
@@ -782,7 +783,8 @@ every cached token and every sequence in the batch:
 $$\text{bytes} = \text{n\_layer} \times 2 \times \text{n\_kv\_head} \times \text{head\_dim} \times \text{tokens} \times \text{batch} \times \text{bytes per value}$$
 
 The 2 counts K and V. Note `n_kv_head`, not `n_head`: with GQA the cache shrinks by the group size.
-Servers keep the cache in 16-bit floats (2 bytes per value); this lab runs in float32 (4 bytes).
+Servers keep the cache in 16-bit floats (2 bytes per value), and so does this lab on a GPU (bf16);
+on a CPU it runs in float32 (4 bytes).
 Lab 02's memory budget used the same count; here you check it against real tensors.
 
 **Deliverable:** `kv_cache_bytes(cfg, n_tokens, batch=1, bytes_per_value=2)` returns the bytes of the
@@ -852,7 +854,7 @@ with torch.no_grad():
     _, cache = cmodel(prompt_ids, torch.arange(T0, device=env.device)[None])
 held = sum(t.numel() * t.element_size() for kv in cache for t in kv)
 print(f"your cache after a {T0}-token prefill: {len(cache)} layers x (k, v) of shape {tuple(cache[0][0].shape)} "
-      f"= {held:,} bytes; formula: {kv_cache_bytes(cfg, T0, bytes_per_value=4):,} bytes")
+      f"= {held:,} bytes; formula: {kv_cache_bytes(cfg, T0, bytes_per_value=cache[0][0].element_size()):,} bytes")
 print(f"per token: {kv_cache_bytes(cfg, 1, bytes_per_value=2) / 1024:.1f} KiB in fp16 "
       f"({kv_cache_bytes(dataclasses.replace(cfg, n_kv_head=cfg.n_head), 1) / 1024:.1f} KiB if every query head had its own K and V)")
 """),
@@ -901,7 +903,8 @@ plt.show()
 md(r"""
 Read the last column. One Llama-2-7B sequence of about 26k tokens holds as much cache as the whole
 model (Llama-2 itself was trained for 4k tokens; only its shapes matter here). At 128k tokens the cache
-is five times the model, and the two together no longer fit on an 80 GB GPU. Llama-3-8B, with
+is five times the model: 64 GiB of cache beside 12.5 GiB of weights, nearly all of an 80 GB GPU for
+a single request. Llama-3-8B, with
 4 query heads per KV head, keeps a cache 4 times smaller per token. And a server holds one cache per
 request: 8 requests of 4k tokens on Llama-2-7B need 16 GiB of cache. This is why the cache, not the
 model, decides how many requests an engine can serve at once (labs 04 and 05).
@@ -909,7 +912,8 @@ model, decides how many requests an engine can serve at once (labs 04 and 05).
 ## 4. Measure: what the cache buys
 
 Time both loops on the same prompt for a growing number of new tokens (median of a few runs after a
-warm-up, with `course.timing.benchmark`). Both produce the same tokens; only the work differs.
+warm-up, with `course.timing.benchmark`). In float32 both produce the same tokens; in bf16 on a GPU
+they can part after a near-tie. The work per token is what differs.
 
 On a GPU a third loop runs beside them: the same cache the way engines run it, with its decode
 step captured in a CUDA graph (lab 02). `course.engine.graphs.GreedyEngine` preallocates the cache
@@ -1015,8 +1019,9 @@ prefill.
 ### Against Hugging Face (GPU)
 
 `transformers` offers both kinds of cache: its default dynamic cache grows like yours, and a static
-cache allocated once for the whole generation, with fixed shapes, which `generate` then runs through
-`torch.compile` (and CUDA graphs) on a GPU. One sequence, batch 1, same model and dtype, in tokens
+cache allocated once for the whole generation, with fixed shapes, so that the forward pass can be
+compiled and captured in CUDA graphs. The cell follows Hugging Face's recipe: it compiles the forward
+itself (`mode="reduce-overhead"`) and switches off `generate`'s own automatic compile. One sequence, batch 1, same model and dtype, in tokens
 per second:
 """),
 code(r"""

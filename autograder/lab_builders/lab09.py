@@ -86,7 +86,7 @@ of the paged blocks of lab 05.
 - watch which blocks each request reuses, and measure prefill tokens saved, time to first token and
   hit rate against cache size, on a shared system prompt and on a multi-turn chat.
 
-**Time:** about 2 hours 45 minutes: 35 minutes of reading, five problems (block hashes 15 minutes,
+**Time:** about 3 hours: 35 minutes of reading, five problems (block hashes 15 minutes,
 the block pool 35, the prefix cache 30, the prefill 25, the radix tree 45), and 2-3 minutes of running
 on a laptop CPU. **Hardware:** everything runs on a laptop CPU (small workloads there);
 on a GPU the workloads grow, and section 6 shows what the cache is worth there.
@@ -164,9 +164,10 @@ print(f"the system prompt's share of this prompt's prefill time: {1 - t_question
       f"({dev}, {str(model.dtype).removeprefix('torch.')})")
 '''),
 md(r"""
-Those are your numbers. Where the prefill's time grows with its tokens (on a CPU, roughly in
-proportion), most of the time to first token goes to tokens whose keys and values some earlier
-request already computed: the share on the last line. On a GPU a prompt of a few hundred tokens may
+Those are your numbers. On a CPU the prefill's time grows with its tokens, but not in proportion:
+every pass also pays a fixed cost, because it reads all the weights however few the tokens are. The
+last line is the share of this prompt's prefill time spent on tokens that an earlier request already
+computed: the most the cache can save here. On a GPU a prompt of a few hundred tokens may
 take about as long as a short one: this small model's forward pass is bound by launching its kernels
 (lab 02), not by the tokens, so the cache saves work there but little time until prompts are long
 or many requests share the GPU. Read your share before you expect a speedup below.
@@ -304,8 +305,8 @@ release(P5)  -> ref 0, to the back                                free_queue: [P
 - `share(block)`: one more user of a cached block; at the first user it leaves `free_queue`.
 - `release(block)`: one user fewer (ValueError if it had none); at 0 it goes to the back of
   `free_queue`, keeping its content and its entry in `cached`.
-- `register(block, h, parent, tokens)`: the block now holds `tokens` after block `parent` and is found
-  under hash `h`. If `h` is already in `cached`, or the block is already registered, do nothing (the
+- `register(block, h, parent, tokens)`: the block now holds `tokens` (store them as a tuple) after block
+  `parent` and is found under hash `h`. If `h` is already in `cached`, or the block is already registered, do nothing (the
   block stays private and is freed like any block).
 - `lookup(h, parent, tokens)`: the block cached under `h` if its tokens and its parent match, else
   None. A block found under `h` that fails the check is a collision: count it in `collisions`.

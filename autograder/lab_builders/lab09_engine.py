@@ -274,8 +274,9 @@ Your engine's run with the cache, step by step. Each row is a running request: g
 from the cache (their tokens skipped prefill), blue ones it computed itself, the dashed last block is
 its own partial block. In the pool, blocks in use show their reference count (thick border: shared
 by several requests), and blocks that hold cached tokens but have no user wait in LRU order. Note
-which blocks the first request computes and every later one reuses, and that the partial block at
-the end of the system prompt is recomputed by everyone.
+which blocks the first request computes and every later one reuses, and that the block where the
+system prompt ends is computed again by every request: it holds the last system tokens and the
+first tokens of the question, and the questions differ.
 """),
 code(r'''
 from course.widgets import prefix_blocks

@@ -392,16 +392,16 @@ record("prefix_cache_ttft_speedup", times["no cache"] / times["prefix cache"], "
 md(r"""
 ### When what is left fits a CUDA graph
 
-Read the two times above against lab 02. On a CPU a prefill costs about what its tokens cost, so
-skipping most of them shows at once. On a GPU this model's forward pass is launch-bound: a prefill
+Read the two times above against lab 02. On a CPU a prefill's time grows with its tokens, on top of
+a fixed cost per pass: skipping most of the tokens saves much of the time, but less than their share. On a GPU this model's forward pass is launch-bound: a prefill
 of a dozen tokens launches the same thousand kernels as one of a few hundred, and costs about as
 much. The cache saved the work, but not yet the time.
 
 What the cache does change is the **size** of what is left: the question alone, a few dozen tokens,
-every time. Engines replay passes of small, fixed sizes from CUDA graphs (vLLM captures graphs for
-passes up to a few hundred tokens and runs longer prefills eagerly), so a prefill that the cache
-made short can be replayed from a graph, while a whole prompt, whose length changes with every
-request, runs eagerly. Below, one sequence in a one-slot cache (labs 03 and 08) with one graph
+every time. Engines replay passes of small, fixed sizes from CUDA graphs: vLLM captures passes of up
+to a few hundred tokens, pads each pass up to the next captured size, and runs longer passes
+eagerly. So a prefill that the cache made short fits a graph, while a long whole prompt does not.
+Below, one sequence in a one-slot cache (labs 04 and 08) with a single graph
 captured for passes of `W` tokens, `W` a multiple of 16 longer than any question. After the cached
 system prompt, each question is sent as its last `W` prompt tokens: a question shorter than `W`
 recomputes a few system-prompt tokens that were already cached, which costs nothing extra in a
@@ -450,8 +450,8 @@ record("prefix_cache_ttft_speedup_graph", slot_times["no cache"] / slot_times[gr
        device=dev, dtype=env.dtype, prompt_tokens=len(asked_ids[0]), graph_tokens=W)
 '''),
 md(r"""
-Read the three lines. On a CPU the eager line beats the whole prompt by about the share of the
-prompt the cache holds, and the graph line does worse than the eager one: it computes `W` tokens, not
+Read the three lines. On a CPU the eager line beats the whole prompt, though by less than the share
+of the prompt the cache holds: each pass keeps its fixed cost. The graph line does worse than the eager one: it computes `W` tokens, not
 just the question's, and the stand-in saves no launches (a CPU has none to save). On a GPU the eager
 line comes out close to the whole prompt's (1.0x on the H100 we tried), and the graph line shows what
 the saved tokens are worth once the launches are gone: there, prefix caching pays through the graph.
@@ -495,10 +495,11 @@ for ax in (ax1, ax2):
 plt.tight_layout(); plt.show()
 '''),
 md(r"""
-Without the cache, prefill grows with the whole conversation at every turn: the total work grows with
-the square of the number of turns. With it, each turn computes only its new message, the last token
-of the previous answer and the partial blocks around them. (Turn 1 has nothing to reuse: there the two
-times differ only by noise.)
+Without the cache, the prompt tokens computed grow with the whole conversation at every turn: the total
+work grows with the square of the number of turns. With it, each turn computes only its new message,
+the last token of the previous answer and the partial blocks around them. On a CPU the prefill time
+follows the tokens. On a GPU, at these lengths, both time lines stay about flat: the pass is
+launch-bound (lab 02). (Turn 1 has nothing to reuse: there the two times differ only by noise.)
 
 ### Hit rate against cache size, and the radix tree against the hashes
 

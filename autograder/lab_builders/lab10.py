@@ -113,7 +113,8 @@ plt.xscale("log"); plt.yscale("log"); plt.xlabel("tokens in flight (all requests
 plt.grid(alpha=0.3); plt.legend(fontsize=8); plt.tight_layout(); plt.show()
 '''),
 md(r"""
-Read the crossing points: a few dozen long requests and the cache is bigger than the model. (Llama-3-8B
+Read the crossing points: about 6 requests of 2,048 tokens for the course model, about 60 for
+Llama-3-8B (15 of 8,192 tokens), and the cache is bigger than the model. (Llama-3-8B
 already shares each KV head among 4 query heads, GQA; with a KV head per query head it would be 4x
 worse.) Three levers shrink it: fewer **tokens** (section 2), fewer **bits per number** (section 5),
 and fewer bytes of **weights**, which leaves more of the same memory to the cache (section 6).

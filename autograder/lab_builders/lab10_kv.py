@@ -46,9 +46,10 @@ code  = round(x / scale)              an int8 in [-127, 127]
 x'    = code * scale                  what attention reads back: off by at most scale / 2
 ```
 
-**Granularity** is what the group is. One scale for a whole layer's cache needs a calibration pass and
-lets one large value anywhere coarsen everything. Engines use smaller groups for the KV cache: a scale per
-**token** (all its KV heads together) or per **(token, head)** (an int8 KV cache proposed for nano-vllm
+**Granularity** is what the group is. One scale for a whole layer's cache is set once (calibrated, or
+1.0 by default) and lets one large value anywhere coarsen everything. vLLM's fp8 cache works this way:
+e4m3's wide range absorbs much of the spread. int8 has no such range, so int8 caches use smaller
+groups: a scale per **token** (all its KV heads together) or per **(token, head)** (an int8 KV cache proposed for nano-vllm
 does this and saves 48% of the memory), stored next to the codes. The smaller the group, the better one outlier is contained, and
 the more scales to store (Problem 1 counted them).
 
@@ -317,16 +318,17 @@ print(f"your formula for all {cfg.n_layer} layers, int8 with a scale per head: {
       f"the pool's, per layer x {cfg.n_layer}: {pools['int8, a scale per head'].bytes_per_token() * cfg.n_layer:,}")
 '''),
 md(r"""
-Read your timings (they name the device and dtype). On a CPU the 8-bit pools are likely **slower**,
-though they hold half or a quarter of the bytes: this reference gathers the codes, then writes a
-float32 copy of every gathered block (dequantize) before the attention reads it again. It moves more
-bytes, not fewer. Decode attention is memory-bound (lab 02): its time is the bytes it reads over the
+Read your timings (they name the device and dtype). Do not expect the 8-bit pools to be faster here,
+though they hold a quarter of the fp32 bytes or half of the bf16 bytes. Both paths gather the blocks
+and write a float32 copy before attention reads them (lab 05's `paged_attention` computes in float32
+too); the 8-bit path adds a pass (codes times scales), and on a CPU fp8 is converted in software. The
+bytes saved in the gather are spent again. Decode attention is memory-bound (lab 02): its time is the bytes it reads over the
 memory bandwidth. So the gain needs a kernel that reads the 8-bit codes and converts them in
 registers, never writing the float copy: vLLM's and FlashInfer's fp8 KV kernels do that, and read half
 the bytes of a bf16 cache. On a GPU, compare the time of the 8-bit rows with the bf16 row and with the
 bytes each reads: your numbers say whether this unfused reference's extra copy eats the saving there too.
 
-The memory gain, on the other hand, holds everywhere: the same pool holds twice as many tokens in
-8 bits as in bf16, four times as many as in fp32, and that is what lets a server run more requests at once.
+The memory gain, on the other hand, holds everywhere: the same pool holds almost twice as many tokens
+in 8 bits as in bf16 (1.9x with a scale per head), and almost four times as many as in fp32, and that is what lets a server run more requests at once.
 """),
 ]

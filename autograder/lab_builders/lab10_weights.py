@@ -330,7 +330,8 @@ md(r"""
   under 1% of perplexity here; scales must survive a zero group and contain an outlier. 4 bits need more care.
 - **Weights**: int8 per channel is close to free; 4-bit needs small groups. The course model's Q4_1 file is
   d and m in float16 plus 4-bit codes per group of 32, and you rebuilt it byte for byte.
-- Fewer bytes are not yet fewer seconds: an unfused dequantize-then-compute reference is slower. The gain
+- Fewer bytes are not yet fewer seconds: an unfused dequantize-then-compute reference is no faster, and
+  often slower. The gain
   in time needs kernels that read the small format and convert it in registers.
 
 **Questions**
@@ -344,8 +345,9 @@ md(r"""
    gets smaller relative to the text? What did the attention measurement show?
 5. A per-layer fp8 scale must be chosen before any token is seen. What happens to values larger than
    448 x scale, and to values far smaller than the scale? Where do engines get that scale?
-6. Count the bytes one decode step reads from the cache in bf16 and in int8 per head. Why was your
-   int8 attention not faster on this machine, and what would a fused kernel read instead?
+6. Count the bytes one decode step reads from the cache in bf16 and in int8 per head. Was your int8
+   attention faster on this machine, by that ratio? What does the reference write besides reading the
+   codes, and what would a fused kernel read instead?
 7. Why could you rebuild the Q4_1 file exactly, while re-quantizing with groups of 64 lost so much?
 8. Where does a window + sinks cache stop being enough? Think of a question about the first page of a
    long document asked at its end.

@@ -403,7 +403,8 @@ Perplexity is the exponential of the average loss per token: the number of equal
 the model is, in effect, choosing between. Lower is better. The text is the course's held-out text:
 original prose written for the course, which the model has never seen. Below, the loss at every
 position for full attention, a window, and the same window plus a sink block, smoothed over a
-few dozen positions. The dashed line is where the first token leaves the window.
+few dozen positions. The dashed line is where the first token leaves the window. With blocks of 16,
+its block, and with it the first token, leaves the cache up to 15 tokens later.
 """),
 code(r'''
 T = env.pick(4096, 256, cpu=1024)              # tokens of the held-out text to score
@@ -427,8 +428,8 @@ plt.xlabel("position in the text"); plt.ylabel(f"loss, mean over {smooth} tokens
 plt.tight_layout(); plt.show()
 '''),
 md(r"""
-Read your plot. Until the dashed line the three curves are one: every query still sees the whole
-text. Right after it, the plain window jumps up and stays up, and it does not recover as the text
+Read your plot. Until shortly after the dashed line the three curves are one: every query still sees
+the whole text. Once the first block is gone, the plain window jumps up and stays up, and it does not recover as the text
 goes on. Keep one block from the start, 16 tokens out of hundreds, and most of the loss comes back.
 Those 16 tokens are only the title and the first words of the text. Why do they matter so much?
 

@@ -82,7 +82,8 @@ request body (`bytes`), `tokenize(text)` gives token ids. Return a `GenerationRe
 | prompt tokens + `max_tokens` > `max_model_len` | 400, `code="context_length_exceeded"` | `"prompt"` |
 
 A valid body gives `prompt_ids` (the string tokenized, or the list as it is), `max_tokens`
-(default 16), `params=SamplingParams(temperature=..., top_p=..., seed=...)` (defaults 1.0, 1.0, None),
+(default 16), `params=SamplingParams(temperature=..., top_p=..., seed=...)`, with temperature and top_p as Python
+floats (JSON `1` becomes `1.0`; defaults 1.0, 1.0, None),
 `stop` as a list (a string becomes a one-item list; default `[]`), `stream` (default False),
 `include_usage` from `stream_options` (`{"include_usage": true}`; default False) and `ignore_eos`
 (default False, a vLLM extension the load generator uses).

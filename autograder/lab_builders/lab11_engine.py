@@ -81,8 +81,9 @@ measure first with **chunked prefill** (Sarathi-Serve, 2024).
 - write a chunked-prefill scheduler with a per-step token budget, watch it on a batch timeline, and
   measure it against prefill-first under a mixed load.
 
-**Time:** about 3 hours (7 problems: about 1 hour of reading, 1.5 hours of coding, 20 minutes of
-running). **Hardware:** everything runs on a laptop CPU (2 cores suffice; the loads are sized down
+**Time:** about 4 hours 30 minutes: 1 hour of reading, seven problems (the async engine about 45
+minutes, text streaming 30, server-sent events 20, request checks 30, the load generator 25, the
+metrics 20, the scheduler 25), and about 10 minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU (2 cores suffice; the loads are sized down
 there), and on a GPU when there is one. The server only ever listens on 127.0.0.1 (this machine).
 """),
 locked("colab_install", COLAB_INSTALL),

@@ -207,7 +207,8 @@ vLLM's `bench serve` reports, over the requests that succeeded:
 - **throughput**: completed requests per second and output tokens per second, over the whole run's
   `duration` (first send to last finish);
 - **goodput** (DistServe, 2024): requests per second that met **every** service-level objective
-  (SLO) given, e.g. `{"ttft": 500, "tpot": 100}` in ms; a request is good when each of its metrics is
+  (SLO) given, a dict whose keys are among `"ttft"`, `"tpot"` and `"e2el"` (vLLM's `--goodput` keys),
+  e.g. `{"ttft": 500, "tpot": 100}`, in ms; a request is good when each of its metrics is
   at most its SLO (a one-token request counts as TPOT 0). Throughput counts work done; goodput counts
   the work users were happy with.
 
@@ -362,8 +363,10 @@ for ax in (ax1, ax2):
 plt.suptitle(f"your server on {env.device} ({str(env.dtype).removeprefix('torch.')}), prefill-first"); plt.tight_layout(); plt.show()
 '''),
 md(r"""
-Read your table from the top. At a low rate the server keeps up: requests rarely meet, TTFT is about
-one prefill and TPOT about one decode step. As the rate grows, requests share steps (each step is a
+Read your table from the top. At the lowest rate (half the rough capacity) the server keeps up: two
+or three requests share each step, TTFT is about one prefill, TPOT about one decode step of a small
+batch. With a few dozen requests, the run's duration also holds the last requests' drain, so the
+measured throughput sits a little below the offered rate even here. As the rate grows, requests share steps (each step is a
 little slower, but serves more requests: throughput grows with the rate), until the offered rate
 passes what the server can do: then requests queue, throughput stops following the offered rate,
 TTFT grows with the queue (it now includes the wait), and goodput falls below throughput: the server
@@ -378,12 +381,13 @@ pip install vllm
 vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --port 8000
 ```
 
-then `await benchmark_server("http://127.0.0.1:8000", workload, rate=8.0, slo=SLO)` (with
-`MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"`), and compare with vLLM's own
-`vllm bench serve --base-url http://127.0.0.1:8000 --model HuggingFaceTB/SmolLM2-135M-Instruct
---dataset-name random --random-input-len 256 --random-output-len 64 --request-rate 8 --burstiness 1
---goodput ttft:500 tpot:50`, at the same rate and lengths: the two use the same definitions, so
-their numbers should agree within the noise of two runs (the random arrivals and prompts differ),
-which checks your load generator against the reference one.
+then `await benchmark_server("http://127.0.0.1:8000", random_requests(32, 256, 64, range_ratio=0.5,
+seed=0), rate=8.0, slo={"ttft": 500, "tpot": 50})` (with `MODEL_NAME =
+"HuggingFaceTB/SmolLM2-135M-Instruct"`), and compare with vLLM's own `vllm bench serve --base-url
+http://127.0.0.1:8000 --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset-name random --num-prompts 32
+--random-input-len 256 --random-output-len 64 --random-range-ratio 0.5 --ignore-eos --request-rate 8
+--burstiness 1 --goodput ttft:500 tpot:50`: the same number of requests, lengths, rate and SLOs.
+The two use the same definitions, so their numbers should agree within the noise of two runs (the
+random arrivals and prompts differ), which checks your load generator against the reference one.
 """),
 ]

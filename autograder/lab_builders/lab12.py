@@ -18,8 +18,8 @@ md(r"""
 Llama-3-70B holds 70 billion parameters: 141 GB in bf16, and one H100 has 80 GB. Before the first
 token of KV cache, the model has to be split over several GPUs, and then the GPUs must talk, inside
 every layer or between groups of layers. Serving adds a third split, in time rather than space:
-prefill is compute-bound and decode memory-bound, so a long prompt's prefill stalls every request that
-is decoding next to it, unless prefill and decode run on different machines and the KV cache travels
+a long prompt's prefill (compute-bound, for a model of that size) stalls every request that is decoding
+next to it (memory-bound), unless prefill and decode run on different machines and the KV cache travels
 from one to the other. In this lab you build all three with `torch.distributed`, on real processes
 started from this notebook, and measure what each one costs and buys.
 
@@ -33,7 +33,8 @@ started from this notebook, and measure what each one costs and buys.
 - ship a request's KV blocks from a prefill process to a decode process, and measure decode latency while
   long prompts arrive, colocated against disaggregated.
 
-**Time:** about 4 hours: 1 hour of reading, 2.5 hours for the five problems, 20 minutes of running.
+**Time:** about 3 hours 45 minutes: 1 hour of reading, 2.5 hours for the five problems, and about 5
+minutes of running on a laptop CPU.
 
 **Hardware:** everything runs on a laptop CPU. The ranks are processes of this machine, one CPU thread
 each, talking through gloo over 127.0.0.1; they run on the CPU, in float32, on a GPU machine too (the

@@ -16,8 +16,9 @@ md(r"""
 The seeds give the reason in two lines: prefill is compute-bound and decode memory-bound, so one machine
 tuned for both serves neither well. Here is the problem it causes. An engine that serves
 prefills and decodes together (lab 11) runs, at each step, the prefill of any request that just arrived
-and one decode step for every running request. A long prompt's prefill takes far longer than a decode
-step, so every running request waits for it before its next token: its **inter-token latency** (ITL)
+and one decode step for every running request. On a CPU, and for large models on a GPU, a long
+prompt's prefill takes far longer than a decode step (a small model's eager steps on a GPU are
+launch-bound: there a few hundred tokens cost about one step), so every running request waits for it before its next token: its **inter-token latency** (ITL)
 jumps from one decode step to a whole prefill. Chunked prefill (lab 11) cuts the jump into smaller
 pieces; it does not remove it.
 
@@ -66,7 +67,7 @@ receive it, so a small header goes first:
 
 ```
 prefill worker (sender)                                   decode worker (receiver)
-header = [n_tokens, first_token, n_blocks]   (3,) int64   -> recv header; alloc.append(seq, n_tokens) -> my_table
+header = [n_tokens, first_token, n_blocks]   (3,) int64   -> recv header; alloc.append(seq, n_tokens); my_table = alloc.block_tables[seq]
 K = cache.k[:, table]   (n_layer, n_blocks, bs, Hkv, D)   -> recv into a buffer, then cache.k[:, my_table] = it
 V = cache.v[:, table]                                      -> recv, then cache.v[:, my_table] = it
 ```
@@ -272,13 +273,13 @@ md(r"""
 Read the table and the two pictures from your run. The tokens should be the same: the KV blocks
 arrive bit for bit. (Only a near-tie between two tokens could flip: a request decoded in a batch with other
 neighbours gets logits that differ in the last bits.) In the colocated engine, a decode step that comes
-after a prefill waits for all of it: the largest token gaps are about a whole prefill long (an orange bar
+after a prefill waits for all of it: the largest token gaps are at least a whole prefill long (an orange bar
 between two blue ones). In the disaggregated engine the decode worker never prefills: its gaps stay near
 one decode step, plus a KV transfer now and then (milliseconds here: the thin green marks). The median
-gap can come out a little longer there, since one decode worker carries every running request in
-bigger batches. Then look at time to first token: one prefill worker takes every prompt in turn, where
-the two colocated replicas each took half, so when prompts come faster than one worker prefills them,
-they queue. That is why DistServe sizes the two pools separately, for the latency each phase must meet
+gap may move either way: the decode worker runs bigger batches, but no prefill ever runs beside it.
+Then look at time to first token. Here prompts arrive every 1.5 prefill times (`GAP`), so one prefill
+worker keeps up. Make them come faster than one worker prefills (`GAP` below `PREFILL_S`) and they
+queue at that worker, while two colocated replicas would share them. That is why DistServe sizes the two pools separately, for the latency each phase must meet
 (its goodput: requests per second that meet both the TTFT and the ITL target). The KV cache of a request
 (46 KB per token of the default model in float32, a third of a MB per token for Llama-3-70B in bf16)
 crosses the network once; real systems stream it layer by layer while the prefill still runs, so the
@@ -294,7 +295,7 @@ talk to `comm`. Write them to a file, then start one rank per GPU:
 ```bash
 torchrun --nproc-per-node=3 -m course.dist.torchrun_tp --answers my_tp.py          # one machine, 3 GPUs
 torchrun --nnodes=2 --node-rank=0 --nproc-per-node=8 --rdzv-endpoint=HOST:29500 \
-         -m course.dist.torchrun_tp --answers my_tp.py                             # the first of 2 machines
+         -m course.dist.torchrun_tp --answers my_tp.py --model smollm2-1.7b        # the first of 2 machines
 ```
 
 Each rank loads the model on its own GPU (`cuda:LOCAL_RANK`) and joins the process group with NCCL

@@ -36,8 +36,8 @@ plus a hop between stages. It buys memory (each rank holds 1/p of the layers) an
 **Deliverable:**
 - `pipeline_stage(comm, compute, inputs, shape, dtype=torch.float32)`: the loop of stage `comm.rank` of
   `comm.world_size` over the `len(inputs)` micro-batches, in order. For micro-batch j: stage 0 takes
-  `inputs[j]`, every other stage receives its input from the stage before (a tensor of `shape` and
-  `dtype`); then `y = compute(j, x)`; every stage but the last sends `y` to the next stage (start the
+  `inputs[j]`, every other stage receives its input from the stage before (a new tensor of `shape` and
+  `dtype`, on the device of `inputs[j]`); then `y = compute(j, x)`; every stage but the last sends `y` to the next stage (start the
   send with `isend` and wait for all sends at the end, so a stage never waits for the next one to be
   ready), the last stage keeps it. Record `(j, start, end)` around each `compute` call with
   `time.perf_counter()`. Returns `(outputs, timeline)`: the last stage's results in order (an empty
@@ -112,15 +112,15 @@ def pp_rank(comm, model, ids, m):
 
 
 def whole_rank(comm, model, ids, repeats):
+    whole = Stage(model, 0, 1)                                     # every layer, the head on the last position: the same work
     pos = torch.arange(ids.shape[1], device="cpu")[None].expand(ids.shape)
-    with torch.no_grad():
-        logits = model(ids, pos)[:, -1]                            # (also the warm-up)
-    return logits, benchmark(lambda: model(ids, pos), warmup=0, repeats=repeats, device="cpu").median
+    logits = whole(ids, pos)                                       # (also the warm-up)
+    return logits, benchmark(lambda: whole(ids, pos), warmup=0, repeats=repeats, device="cpu").median
 
 
 pp_want, t_whole = launch(whole_rank, 1, cpu_model, pp_ids, env.pick(3, 1), timeout=LAUNCH_S)[0]
 pp_runs = {}
-print(f"\nbatch of {PP_B} x {PP_T} tokens; the whole model in one process: {t_whole:.2f} s")
+print(f"\nbatch of {PP_B} x {PP_T} tokens; the whole model in one process (one stage of every layer: the same work): {t_whole:.2f} s")
 print(f"{'m':>3} {'bubble (measured)':>18} {'(p-1)/(m+p-1)':>14} {'first start to last end':>24} {'max |logit diff|':>17}")
 for m in MICRO:
     res = launch(pp_rank, P, cpu_model, pp_ids, m, timeout=LAUNCH_S)

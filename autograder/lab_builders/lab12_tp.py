@@ -237,7 +237,8 @@ matrix and computes 1/W of every matmul. Three details make or break it:
   `Block` of the course model: `q`, `k`, `v` column-parallel and `o` row-parallel by whole heads
   (`unit=cfg.head_dim`), `gate` and `up` column-parallel and `down` row-parallel (GPT-2: `up` is
   `mlp.fc`, `down` is `mlp.proj`, no `gate`), the norms shared as they are, and this rank's head
-  counts. Raise `ValueError` naming `n_head` or `n_kv_head` when `world` does not divide it.
+  counts. Check `n_head` first, then `n_kv_head`, and raise `ValueError` naming the first one that
+  `world` does not divide.
 """),
 solution("shard_weights", r'''
 def column_parallel(linear: nn.Linear, rank: int, world: int, unit: int = 1) -> nn.Linear:
