@@ -86,7 +86,7 @@ of the paged blocks of lab 05.
 - watch which blocks each request reuses, and measure prefill tokens saved, time to first token and
   hit rate against cache size, on a shared system prompt and on a multi-turn chat.
 
-**Time:** about 3 hours: 35 minutes of reading, five problems (block hashes 15 minutes,
+**Time:** about 3 hours 10 minutes: 35 minutes of reading, five problems (block hashes 15 minutes,
 the block pool 35, the prefix cache 30, the prefill 25, the radix tree 45), and 2-3 minutes of running
 on a laptop CPU. **Hardware:** everything runs on a laptop CPU (small workloads there);
 on a GPU the workloads grow, and section 6 shows what the cache is worth there.
