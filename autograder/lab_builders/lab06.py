@@ -37,8 +37,9 @@ they come to the bandwidth limit and to PyTorch's own attention.
 - count the bytes a kernel must move, time it against the HBM roofline and `scaled_dot_product_attention`,
   and explain the gap with your own numbers.
 
-**Time:** about 4 hours: 45 minutes of reading, seven problems (the split-KV and prefill kernels take
-about 50 minutes each, the others 10-40), and about 10 minutes of running on a laptop CPU (the
+**Time:** about 4 hours 30 minutes: 45 minutes of reading, seven problems (the split-KV and prefill
+kernels take about 50 minutes each, the others 10-40), 20 minutes to write up "Explain the gap", and
+about 10 minutes of running on a laptop CPU (the
 interpreter is slow). **Hardware:** any CPU runs every problem in Triton's interpreter; a GPU
 (T4, A100, H100) compiles the kernels and times them. In detail:
 
@@ -78,8 +79,8 @@ print(f"SmolLM2 in {env.dtype} on {dev}: {cfg.n_head} query heads, {cfg.n_kv_hea
 md(r"""
 ## 2. Triton: the programming model
 
-`paged_attention` loops over the batch in PyTorch and gathers each sequence's keys into a new tensor
-before attending. A real engine runs one kernel that reads the blocks where they are. Like llm.c's
+`paged_attention` gathers the blocks of every sequence, padded to the longest block table, into new
+float32 tensors, then attends: it copies the whole context at every layer. A real engine runs one kernel that reads the blocks where they are. Like llm.c's
 `dev/cuda` files and Triton's own tutorials, this lab has a reference for each kernel, numbered
 versions, a check of each version's largest difference from the reference, and then timing.
 
@@ -101,7 +102,8 @@ It is how you can write kernels on a laptop, but it has traps:
   without any error (far outside, it crashes the kernel process). Mask every lane that can fall outside;
 - `tl.device_assert` does nothing, and bf16 arithmetic (`tl.dot` included) gives silent garbage: load,
   then `.to(tl.float32)`. fp16 and fp32 are fine;
-- `tl.dot` works on any tile here, but GPUs need at least 16 rows, columns and depth; and fp32
+- `tl.dot` works on any tile here, but a GPU needs a depth (the shared dimension) of at least 16, and
+  some Triton versions also need 16 rows and columns; and fp32
   `tl.dot` is exact here but TF32 (about 3 decimal digits) on Ampere and later GPUs unless you ask
   for `input_precision="ieee"`;
 - `@triton.autotune` (try several configurations, keep the fastest) and `triton.testing.do_bench`

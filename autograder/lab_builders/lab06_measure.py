@@ -117,7 +117,8 @@ md(r"""
 ### On a GPU: your kernels against SDPA and the roofline
 
 `triton.testing.do_bench` runs a function many times, empties the L2 cache before each run (so keys
-and values come from memory, as in a real step, not from cache) and reports the median. It times the
+and values come from memory, as in a real step, not from cache) and reports the mean (the median with
+`return_mode="median"`, or the quantiles you pass). It times the
 GPU between two events around each call, and that hides a trap for kernels this short: a split-KV call
 is two Triton launches, and Python can take longer to launch them than the GPU takes to run them
 (on the H100 we tried, about 90 µs of CPU for about 10 µs of GPU work; the profile below measures
@@ -399,7 +400,8 @@ md(r"""
   **FlashDecoding++** (Hong et al., 2024) avoids the merge's synchronisation with a unified maximum.
 - **vLLM**: its first CUDA kernel (PagedAttention v1) gave each thread group one block at a time, like
   your v1; "PagedAttention v2" split the context into partitions of 512 tokens and reduced them, like your
-  split-KV; its V1 engine moved to one *unified* Triton attention kernel over mixed prefill and decode batches.
+  split-KV; its V1 engine added a *unified* Triton attention backend (one kernel for mixed prefill and
+  decode batches), next to its FlashAttention and FlashInfer backends.
 - **SGLang**'s Triton decode attention (from LightLLM) has the same two stages, with a group of query
   heads per program and `tl.dot`, as here.
 - **FlashInfer** (Ye et al., 2025) generates paged attention kernels for every layout and reaches close

@@ -38,7 +38,8 @@ md(r"""
 
 Grid `(cdiv(T, BLOCK_M), H)`: one program per tile of queries and query head; it reads the keys of
 KV head `head // (H // H_KV)`. Layout: `q` and `out` are `(T, H, D)`; `block_table` one sequence's row
-of block ids, int32. The program:
+of block ids, int32. In the kernel, `T` is `n_q` and `context_len` is `ctx`; `start = ctx - n_q` is
+given. The program:
 
 1. loads its query rows `i = tile * BLOCK_M + tl.arange(0, BLOCK_M)` of this head, `(BLOCK_M, D)`,
    masked past `T` (zeros); converts them to `tl.float32` if `DOT_F32`; positions `start + i`;

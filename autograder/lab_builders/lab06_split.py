@@ -46,8 +46,8 @@ sequence (the grid is sized for the longest sequence) is **empty**: `lse = -inf`
 **`tl.dot` on the group's rows.** Decode has one query per head, so `q . k` is a matrix-vector product:
 no tensor cores. But the `GROUP` query heads of one KV head read the same keys: stack them as the
 rows of a tile and a whole tile of keys becomes one matrix product, with each key loaded once for the
-group. GPUs need at least 16 rows for `tl.dot`, so the tile has `GROUP_PAD = max(16, next power of 2)`
-rows, the real heads first and zeros after (SmolLM2: 3 of 16 rows; the padding costs arithmetic,
+group. Some Triton versions refuse a `tl.dot` with fewer than 16 rows, and a tensor-core instruction
+covers 16 rows anyway, so the tile has `GROUP_PAD = max(16, next power of 2)` rows, the real heads first and zeros after (SmolLM2: 3 of 16 rows; the padding costs arithmetic,
 which decode has to spare, and no memory traffic):
 
 ```

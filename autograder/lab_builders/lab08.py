@@ -70,23 +70,26 @@ cells = [
 md(r"""
 # Lab 08: Speculative decoding, several tokens per pass
 
-A decode step of lab 02 moves every weight of the model from memory to produce **one** token, and
-the arithmetic units mostly wait. Lab 04 filled that idle compute with other requests (batching).
-**Speculative decoding** fills it with *guesses* for the same request: a cheap **draft** proposes
+A decode step of lab 02 runs the whole model to produce **one** token. On a GPU most of that step is
+fixed cost (about a thousand kernel launches for this model; for a big model, reading every weight),
+and the arithmetic units mostly wait. On a CPU the arithmetic does the work, but a pass over a few
+tokens still costs far less than a few passes. Lab 04 filled that slack with other requests
+(batching). **Speculative decoding** fills it with *guesses* for the same request: a cheap **draft** proposes
 the next few tokens, and the expensive **target** model checks all of them in **one** forward pass.
-Every guess the target agrees with is a token gained for free. The trick is in the checking rule:
+Every guess the target agrees with is a token gained without a target pass of its own. The trick is in the checking rule:
 done right, the text has exactly the target's distribution (greedy: exactly the target's greedy
 text), however bad the draft. A bad draft only costs speed, never quality.
 
 **You will**
-- measure that a forward pass over several tokens costs about as much as over one;
+- measure what a forward pass over several tokens costs next to a pass over one (on a GPU about the
+  same; on a CPU far less than one pass per token);
 - make the KV cache append several tokens at once and **roll back** the rejected ones;
 - write two drafters: a small model (proposes tokens one at a time) and prompt lookup (copies from the text so far, no model at all);
 - write greedy acceptance, and exact **rejection sampling** (accept with $\min(1, p/q)$, resample from $\max(0, p - q)$, and the bonus token);
 - put them together in a speculative decoding step whose greedy output equals the target's;
 - replay the steps in a trace widget, and measure acceptance rate, tokens per target pass against the formula, and the wall-time speedup for several draft lengths.
 
-**Time:** about 3 hours: 40 minutes of reading, six problems (appending and rolling back about 25
+**Time:** about 3 hours 30 minutes: 40 minutes of reading, six problems (appending and rolling back about 25
 minutes, the draft and prompt lookup about 20 each, greedy acceptance 15, rejection sampling and the
 speculative step about 40 each), and 3-5 minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
 used when there is one.
@@ -166,7 +169,8 @@ with torch.no_grad():
 md(r"""
 Look at the last column. If `T` tokens cost far less than `T` times one token, a pass that checks
 several guesses is cheap, and every accepted guess saves a whole pass. (On a GPU the curve is flatter
-still: a decode step is bound by memory traffic, lab 02.) The plan, for draft length $\gamma$:
+still: at batch 1 a pass of this small model is bound by kernel launches (lab 02), and a pass over 8
+tokens launches the same kernels as a pass over 1.) The plan, for draft length $\gamma$:
 
 1. the draft proposes $\gamma$ tokens $d_1 \dots d_\gamma$, one at a time (it is small, so this is cheap);
 2. the target runs **once** over the last accepted token and the $\gamma$ drafts: its $\gamma + 1$
@@ -288,7 +292,8 @@ A draft must be **fast** and must **agree** with the target often. Two kinds, bo
 (drafts are token ids, so the two must share a vocabulary): SmolLM2-135M drafting for SmolLM2-360M or
 1.7B, or distilgpt2 for gpt2. Those come from the Hugging Face hub, and the course must work offline
 (the grading machine has no network), so we cut a draft out of the target itself: its embeddings and its **first 4 of 30 blocks**, then the target's final norm and
-LM head. Used as they are, 4 blocks agree with the full model almost never: the last blocks turn the
+LM head. Used as they are, 4 blocks agree with the full model on about one token in ten (the next
+cell prints it): the last blocks turn the
 hidden state into a prediction. So the course trained a small **adapter** (two matrices, 1.2 M
 parameters) that maps the hidden state after block 4 to what block 30 would predict, and restricted
 the LM head to the 8,192 most common tokens (the head over all 49,152 tokens would cost as much as
@@ -561,8 +566,7 @@ Both drafters get the same interface, so the loop does not care which one it has
 gamma, temperature, generator)` returns `(tokens, q)`, and `keep(n)` tells the drafter that only the
 first `n` tokens of the text are still valid (a model drafter rolls its cache back to at most `n`
 positions; prompt lookup has nothing to forget). Prompt lookup is certain of its guesses: its `q`
-rows are one-hot. It may also propose fewer than `gamma` tokens, or none. (The tests run it on the course's answers to Problems 1-5, from
-`course.engine.speculative`: your step is graded on its own.)
+rows are one-hot. It may also propose fewer than `gamma` tokens, or none.
 """),
 locked("drafters", r'''
 class ModelDrafter:
@@ -820,7 +824,8 @@ cache must keep 12: positions 12 and 13 hold the rejected drafts' keys.
 generator=None)` performs the step above: it appends the step's tokens to `seq` **in place**, leaves
 both caches holding `len(seq) - 1` tokens at most (the target's exactly that many) and returns
 `(drafted, n, token)`. It runs the target exactly once. It works when the drafter proposes fewer
-than `gamma` tokens, or none.
+than `gamma` tokens, or none. (The tests run your step on the course's answers to Problems 1-5, from
+`course.engine.speculative`, so your step is graded on its own.)
 """),
 solution("speculative_step", r'''
 @torch.no_grad()
