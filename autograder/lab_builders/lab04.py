@@ -30,7 +30,7 @@ in every serving engine (vLLM, SGLang, TGI), and you will build it today.
 - build continuous batching: a first-come-first-served scheduler that admits waiting requests into free cache slots and retires finished ones, and the engine step that runs them;
 - watch both schedules on a batch timeline, and measure their throughput and latency, against each other, against the batch size, and against Hugging Face `generate`; on a GPU, also with the decode steps in CUDA graphs (lab 02).
 
-**Time:** about 2 hours 15 minutes: 35 minutes of reading, four problems (left padding about 20
+**Time:** about 2 hours 25 minutes: 35 minutes of reading, four problems (left padding about 20
 minutes, static batching 30, the scheduler 25, the engine step 30), and 3-5 minutes of running on a
 laptop CPU (about 2 minutes on a GPU). **Hardware:** everything runs on a CPU, with the
 measurements sized down there; on a GPU the model runs in bf16, the workloads are larger, and the
@@ -94,8 +94,10 @@ md(r"""
 ## 2. Why batch: one request at a time leaves the machine idle
 
 Time one decode step for `B` requests at once: fill `B` slots with a prompt, then run one step that
-gives each of them one token. Lab 02 predicts the outcome. A decode step is memory-bound: its time
-goes into reading the weights, and a batch reads them once for all its rows.
+gives each of them one token. Lab 02 predicts the outcome. On a CPU a decode step is memory-bound:
+its time goes into reading the weights, and a batch reads them once for all its rows. On a GPU this
+model's eager step is bound by kernel launches (lab 02, section 3), and a batch launches the same
+kernels once for all its rows.
 """),
 code(r"""
 import matplotlib.pyplot as plt
@@ -150,8 +152,8 @@ request at a time would leave most of that on the table. How far does it go? Unt
 of the batch catches up with whatever else dominates a step. On a CPU that is the weight reads
 (lab 02's ridge point). On a GPU, for this small model, it is first the kernel launches (lab 02,
 section 3): the eager step costs about the same at batch 1 and batch 32 because launching its
-kernels takes longer than running them. With the decode step in a CUDA graph (the second line on a
-GPU) the launches are gone, and the step stays flat until the batch's own work grows. Either way
+kernels takes longer than running them. With the decode step in a CUDA graph (the "CUDA graph"
+curve, drawn on a GPU only) the launches are gone, and the step stays flat until the batch's own work grows. Either way
 the lesson holds, and your numbers say by how much.
 
 So: batch. The rest of the lab is about *which* requests share a batch, and when.
@@ -391,7 +393,7 @@ else:
 md(r"""
 ## 4. Continuous batching
 
-Static batching has two costs, both visible in this picture of four requests in a batch of four:
+Static batching has two costs, both visible in this picture of five requests and a batch of four:
 
 ```
 static batching: a batch runs until its longest request ends
@@ -419,7 +421,7 @@ req 0     P  D  D                       request 0 leaves after step 2 ...
 req 1     P  D  D  D  D  D  D  D
 req 2     P                             ... request 2 after step 0
 req 3     P  D  D  D  D
-req 4     w  P  D  D                    ... and request 4 starts at step 1
+req 4     w  P  D  D  D                 ... and request 4 starts at step 1
 ```
 
 Our engine loop, one iteration per step:
@@ -932,15 +934,18 @@ waits for the longest request of the batch ahead of it. One cost goes the other 
 line shows its size: a continuous step that admits a newcomer also runs its prefill, and every
 running request waits for it. Static batching pays for all prefills of a batch in one pass.
 (Chunked prefill, below, bounds that cost.) On a GPU the last line compares the same continuous
-engine with its decode steps in CUDA graphs: the schedule and the tokens are the same, each decode
-step is several times cheaper, and the prefills, which stay eager, become a larger share of the time.
+engine with its decode steps in CUDA graphs: the schedule is the same, and so are the tokens, up to
+bf16 near-ties (the graph pads the batch and reads the whole slot, so it rounds differently: the line
+counts the requests that match). Each decode step is several times cheaper, and the prefills, which stay eager, become a larger share of the time.
 
 ### Throughput against latency, as the batch grows
 
 `max_batch_size` is the knob every engine exposes. A bigger batch gives more tokens per forward
-pass, so throughput goes up. But every request in the batch waits for the whole step, and a bigger
-step takes longer, so each user's tokens arrive more slowly: the **time per output token** (from a
-request's first token to its last, divided by the gaps) goes up. Sweep the batch size:
+pass, so throughput goes up. But every request in the batch waits for the whole step. On a CPU a
+bigger step takes longer, so each user's tokens arrive more slowly: the **time per output token**
+(from a request's first token to its last, divided by the gaps) goes up. On a GPU this model's step
+costs about the same at every size (section 2); there the price is the newcomers' prefills, which a
+bigger batch admits more often. Sweep the batch size:
 """),
 code(r"""
 sweep = env.pick([1, 2, 4, 8, 16], [2, 4, 8], cpu=[1, 2, 4, 8])   # quick: no batch of 1 (serial, the slowest run)
@@ -968,16 +973,19 @@ for ax in (ax1, ax2):
 plt.tight_layout(); plt.show()
 """),
 md(r"""
-Left: continuous batching turns a bigger batch into more tokens per second; static batching gains
-less, because each of its batches runs as long as its longest request, and the bigger the batch,
-the likelier it holds one from the long tail. Right: the price. Every running request waits for the
-whole step, and bigger steps take longer, so each user's tokens come more slowly as the batch
-grows. That is the trade-off `max_batch_size` sets, and engines expose it because the right point
+Left: continuous batching turns a bigger batch into more tokens per second. Static batching gains
+less, and can even lose: each of its batches runs as long as its longest request, and the bigger the
+batch, the likelier it holds one from the long tail. Right: the price. On a CPU bigger steps take
+longer, so each user's tokens come more slowly as the batch grows; on a GPU the steps cost about the
+same, and what slows a continuous engine's users is the prefills of the newcomers it admits. That is the trade-off `max_batch_size` sets, and engines expose it because the right point
 depends on the service: a chat needs tokens faster than people read, an offline job only cares
-about the total. At the larger batch sizes, continuous steps are slower than static ones: every slot
-is busy, and newcomers' prefills ride along. (The mean request latency printed above behaves
-differently: all requests arrive at once, so most of their latency is queueing for a slot, and
-more slots cut it.) On a busy machine the seconds jump around from run to run; if a curve zigzags,
+about the total. While requests wait for a slot, continuous steps are slower than static ones: every
+slot is busy, and newcomers' prefills ride along. Once the batch holds every request (batch 8 in
+quick mode), there are no newcomers, and continuous steps are the cheaper ones. (The mean request
+latency printed above behaves differently. All requests arrive at once, so much of their latency is
+queueing for a slot. For continuous batching, more slots cut it. For static batching they may not:
+every request leaves with its batch's longest member, and when one batch holds every request, each
+one waits for the whole run.) On a busy machine the seconds jump around from run to run; if a curve zigzags,
 run the cell again. The step counts never change. On a GPU, where an eager step of this model is
 launch-bound, a step costs about the same at every size, so the eager curves climb with the batch as
 far as the batches are full (on a small workload they seldom are); the CUDA-graph curve sits above
@@ -1015,15 +1023,18 @@ print(f"your continuous batching: {results['continuous']['tok_s'] / hf_tok_s:.2f
 md(r"""
 `generate` runs the same schedule as your static engine, with a cache of its own, so the two
 should be close; a few requests may differ in a late token where two candidates score almost the
-same and the two implementations round differently. Whatever lead your continuous engine has over
-both comes from scheduling alone: same model, same forward pass. Production engines add fast
+same and the two implementations round differently. Your two engines share the model and the forward
+pass, so the lead of continuous over static is scheduling alone. `generate` runs other code (HF's
+model and cache), so the gap between it and your static engine is the implementation's. With only a
+few short requests, as in quick mode, `generate` can even come out ahead. Production engines add fast
 attention kernels, CUDA graphs and paged memory on top; vLLM's announcement reported up to 24x the
 throughput of Hugging Face transformers, much of it from fitting more requests into the same memory
 (lab 05).
 
 ## Summary
 
-- **Batching** shares each read of the weights among many requests: a decode step for 8 requests
+- **Batching** shares each pass of the model among many requests (its weight reads on a CPU, its
+  kernel launches on a GPU): a decode step for 8 requests
   costs far less than 8 steps for one (you measured it).
 - **Static batching** (request-level) pads prompts on the left, masks the pads and numbers positions
   from each row's first real token, then runs the batch until its longest request ends. Finished

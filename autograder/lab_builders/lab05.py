@@ -160,7 +160,7 @@ section). Its state, set up for you in `__init__`:
   order. Allocate blocks only when the last one is full. If there are not enough free blocks, raise
   `OutOfBlocks` with a message that says how many are needed and how many are free, and change nothing.
 - `free(seq)`: give back the blocks of `seq` (decrement each block's count; a block whose count reaches
-  0 goes back to the free list) and forget `seq`. An unknown `seq` raises `KeyError`.
+  0 goes to the back of the free list, in table order) and forget `seq`. An unknown `seq` raises `KeyError`.
 """),
 solution("block_allocator", r'''
 from course.engine import OutOfBlocks   # RuntimeError: the pool has fewer free blocks than a request needs
@@ -539,7 +539,9 @@ with one query per sequence.
   gather its first `context_lens[b]` keys and values through `block_tables[b]` (a row of block ids,
   padded at the end), then return softmax attention of `q[b]` `(H, D)` over them, `(B, H, D)` in the
   dtype of `q`. Query head `h` reads key/value head `h // (H // Hkv)` (GQA, as in lab 03). Compute in
-  float32. This is the reference the Triton kernels will be checked against: clear beats fast.
+  float32. Slots past a sequence's length may hold anything, even NaN: leave them out (masking their
+  scores is not enough: 0 x NaN is NaN). This is the reference the Triton kernels will be checked
+  against: clear beats fast.
 """),
 solution("paged_storage", r'''
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -681,10 +683,11 @@ hands out blocks as requests grow, so it can run out in the middle of a run. Two
   When no block is free, evict the **newest** running request: free all its blocks and put it back at
   the **front** of the waiting queue. It keeps the tokens it generated; when it is admitted again, one
   prefill over prompt + output so far rebuilds its cache (**recompute**) and gives its next token.
-  (vLLM can also *swap* the blocks out to CPU memory instead; recomputing is its default.)
+  (The vLLM paper could also *swap* the blocks out to CPU memory; today's vLLM only recomputes.)
 
-The newest request goes first because it has the least work to redo, and because the oldest
-request then always makes progress, so the engine cannot go round in circles.
+The newest request goes first: it is last in line (first come, first served), it usually has the
+fewest tokens to recompute, and the oldest request then always makes progress, so the engine cannot
+go round in circles.
 
 Requests and the queues are given, as in lab 04 (`course/engine/paged_engine.py`). A `Request` has
 `rid` (also its sequence id in the allocator), `prompt`, `max_new_tokens`, `arrival` (the step it
@@ -692,7 +695,7 @@ arrives at), `output` (its new tokens so far) and `preemptions`. `Queues(request
 holds `waiting` (a deque in arrival order), `running` (a list, oldest first) and `finished`.
 """),
 locked("requests", r'''
-from course.engine.paged_engine import Queues, Request   # the same as lab 04's, with arrival steps and preemptions
+from course.engine.paged_engine import Queues, Request   # lab 04's Request without a slot, plus a count of preemptions
 '''),
 md(r"""
 ## Problem 4: Hold back and preempt (3 points)
@@ -903,8 +906,8 @@ md(r"""
 
 Now three answers to one prompt, sampled at temperature 1. The prompt is prefilled once, then the
 sequence is forked twice with your `SharedBlockAllocator`. At step 0 all three share every block
-(thick borders). At the first decode, the partly full last block is copied for the sequences that
-write into it, and from then on each grows its own blocks. The prompt's full blocks stay shared to the end.
+(thick borders). At the first decode, the partly full last block is copied for the first two samples;
+the third, by then its only user, writes into it in place. From then on each grows its own blocks. The prompt's full blocks stay shared to the end.
 """),
 code(r'''
 def parallel_samples(prompt, n, max_new_tokens, block_size=4, n_blocks=16, temperature=1.0, seed=0):
@@ -985,8 +988,8 @@ plt.grid(alpha=0.3, axis="x"); plt.tight_layout(); plt.show()
 md(r"""
 With paging, only the empty part of each request's last block is wasted: at most `block_size - 1`
 slots per request, against hundreds or thousands for a contiguous slot. vLLM reports under 4% waste.
-Larger blocks waste more, but each block is one more piece for the kernel to fetch, so engines pick
-16 or 32 as a compromise.
+Larger blocks waste more. Smaller blocks mean more blocks per sequence: a longer block table, and
+smaller pieces for the kernel to fetch. Engines pick 16 or 32 as a compromise.
 
 ### Requests that fit in a fixed budget
 
@@ -1022,7 +1025,7 @@ The same requests through both engines, with room for all of them (no preemption
 the cost of the paging itself on this machine, with decode steps run eagerly in both. The paged
 engine gathers each sequence's keys and values through its block table with your PyTorch
 reference, one sequence at a time, into a new tensor, at every layer of every step; the contiguous
-engine reads its slots where they are. Compare the two numbers you get. Lab 06 replaces the gather
+engine gathers all its rows' slots in one indexing operation per layer. Compare the two numbers you get. Lab 06 replaces the gather
 with a kernel that reads the blocks in place.
 
 On a GPU two more rows run the engines the way a server would, with their decode steps replayed
