@@ -1,5 +1,6 @@
 # The course kit. Every target sets up what it needs, so on a fresh clone `make lab` and
-# `make test` work with nothing installed but Python 3.10+ (3.11 tested), make and node/npm.
+# `make test` work with nothing installed but Python 3.11+ (the pins in constraints.txt need it), make
+# and node/npm.
 SHELL := /bin/bash
 PY      ?= python3
 VENV    := .venv
@@ -9,6 +10,7 @@ VENDOR  := assets/vendor
 JOBS    ?= 1
 PORT    ?= 8888
 LAB_ARGS ?=
+LAB_DIR ?= labs
 
 .PHONY: setup lab test test-gpu release grade html vendor sandbox-tools system-tools clean help
 .DEFAULT_GOAL := help
@@ -60,9 +62,10 @@ system-tools:
 	  [ -z "$${missing// /}" ] || { $(APT_GET) $$missing; }
 
 # LAB_ARGS: extra JupyterLab options, e.g. LAB_ARGS="--IdentityProvider.token=secret" (the tests use it).
+# LAB_DIR: the folder JupyterLab opens: labs/ (the sources, with solutions) or autograder/release (the student versions).
 # As root (containers, CI) JupyterLab refuses to start without --allow-root.
 lab: setup
-	$(BIN)/jupyter lab --notebook-dir=labs --ip=127.0.0.1 --port=$(PORT) \
+	$(BIN)/jupyter lab --notebook-dir=$(LAB_DIR) --ip=127.0.0.1 --port=$(PORT) \
 	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # The set-up's time goes into the table of slowest steps that ends `make test` (tests/conftest.py).

@@ -468,3 +468,29 @@ def test_nbgrader_timestamps_are_read():
     assert _parse_time("2026-03-09 09:36:17.123456 UTC\n").isoformat() == "2026-03-09T09:36:17.123456", \
         "nbgrader collect writes timestamp.txt in this format"
     assert _parse_time("2026-03-09T09:36:17").day == 9 and _parse_time("not a time") is None
+
+
+def test_feedback_pages_can_be_released_with_nbgrader(tmp_path):
+    """`nbgrader release_feedback` reads the submission's timestamp and secret beside each page that
+    `make grade` writes; without them it stops with FileNotFoundError."""
+    from autograder.grade.pipeline import Config, _not_graded, _record
+    from autograder.grade.worker import Job
+    lab = "01_inference"
+    sub = tmp_path / "submitted" / "alice" / lab
+    sub.mkdir(parents=True)
+    (sub / f"{lab}.ipynb").write_text("{}")
+    (sub / "timestamp.txt").write_text("2026-03-10 09:00:00.000000 UTC")
+    (sub / "submission_secret.txt").write_text("a1b2c3")
+    source = lab_notebook(lab)
+    job = Job("alice", lab, str(sub / f"{lab}.ipynb"), str(source), str(source), str(tmp_path / "work"))
+    cfg = Config(submitted=tmp_path / "submitted", autograded=tmp_path / "autograded", feedback=tmp_path / "feedback",
+                 gradebook=None, out=tmp_path / "autograded")
+    _record(cfg, _not_graded("alice", lab, source, "missing", "no notebook"), job, None)
+    page_dir = tmp_path / "feedback" / "alice" / lab
+    assert (page_dir / "timestamp.txt").read_text().startswith("2026-03-10") and (page_dir / "submission_secret.txt").is_file()
+    (tmp_path / "exchange").mkdir()
+    run = subprocess.run([sys.executable, "-m", "nbgrader", "release_feedback", lab, "--course", "c",
+                          f"--Exchange.root={tmp_path / 'exchange'}", f"--CourseDirectory.root={tmp_path}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-1500:]
+    assert list((tmp_path / "exchange" / "c" / "feedback").glob("*.html")), run.stderr[-1500:]

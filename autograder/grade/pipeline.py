@@ -230,3 +230,7 @@ def _record(cfg: Config, outcome: Outcome, job: Job, student) -> None:
                                 nbformat.read(job.source, as_version=4), nbformat.read(job.release, as_version=4), page)
     else:
         feedback.write_missing(outcome, page)
+    for name in ("timestamp.txt", "submission_secret.txt"):   # nbgrader release_feedback reads them beside the page
+        src = Path(job.submission).parent / name
+        if src.is_file():
+            shutil.copy2(src, page.parent / name)

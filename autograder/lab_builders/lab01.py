@@ -148,7 +148,7 @@ assert not torch.isnan(huge).any(), "logits of +-3e4 give NaN: subtract the maxi
 md(r"""
 ## Problem 2: The next-token table (3 points)
 
-Now the view from the seeds: the few most likely next words and their probabilities. This table is
+Now the view the workshop this course grew from shows: the few most likely next words and their probabilities. This table is
 what sampling strategies (lab 07) choose from.
 
 **Deliverable:** `top_k_table(logits, tokenizer, k, temperature)` takes one row of logits `(V,)` and
@@ -244,7 +244,7 @@ for text, p in top_k_table(row, tokenizer, k=5):
 md(r"""
 ## 3. Generation with Hugging Face
 
-`generate` wraps that loop. Here is the seeds' example on our model, with greedy decoding (always the
+`generate` wraps that loop. Here is the workshop's example on our model, with greedy decoding (always the
 top token). We also count how many times the model's forward runs: one per new token.
 """),
 code(r"""
@@ -441,7 +441,7 @@ you build the cache.
 
 ## Going further
 
-- The seeds' reference: *A Survey on Inference Engines for Large Language Models* (2025) maps which engine implements which optimization.
+- The workshop's reference: *A Survey on Inference Engines for Large Language Models* (2025) maps which engine implements which optimization.
 - nanoGPT's `model.py` and `generate` (Karpathy) is a short, readable GPT-2 with the same loop.
 - Hugging Face `generate` adds logits processors (temperature, top-k, top-p, repetition penalty) between the forward pass and the argmax: lab 07 builds them.
 - vLLM, SGLang and TGI run this loop for hundreds of requests at once: batching (lab 04), paged KV memory (lab 05) and a scheduler decide which requests advance each step.

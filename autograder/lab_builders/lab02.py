@@ -972,7 +972,7 @@ else:
 add(md(r'''
 ### When does the cache outgrow the model?
 
-The seeds ask: for a long-context model, how much memory does the KV cache take? Your budget, in fp16,
+The workshop this course grew from asks: for a long-context model, how much memory does the KV cache take? Your budget, in fp16,
 for SmolLM2 (GQA, 3 KV heads) and for Llama-2-7B (32 KV heads) on an 80 GB GPU. Dots mark where the
 cache alone equals the weights.
 '''))

@@ -88,7 +88,7 @@ cells = [
 md(r"""
 ## 2. Keep fewer tokens: a sliding window
 
-The seeds' first idea: not every token matters equally, so attend only to the **last N tokens**.
+The workshop's first idea: not every token matters equally, so attend only to the **last N tokens**.
 Mistral 7B was trained that way (a window of 4,096), and any model can be run that way. The cache
 then stops growing: each sequence keeps at most about N tokens, however long it runs.
 

@@ -13,8 +13,8 @@ CELLS = [
 md(r"""
 ## 6. Prefill-decode disaggregation
 
-The seeds give the reason in two lines: prefill is compute-bound and decode memory-bound, so one machine
-tuned for both serves neither well. Here is the problem it causes. An engine that serves
+The workshop this course grew from gives the reason in two lines: prefill is compute-bound and decode
+memory-bound (for large models on a GPU), so one machine tuned for both serves neither well. Here is the problem it causes. An engine that serves
 prefills and decodes together (lab 11) runs, at each step, the prefill of any request that just arrived
 and one decode step for every running request. On a CPU, and for large models on a GPU, a long
 prompt's prefill takes far longer than a decode step (a small model's eager steps on a GPU are
@@ -331,7 +331,7 @@ md(r"""
   between them. Decode steps no longer wait behind prefills; the price is the transfer, a second copy of
   the model, and the tuning of two pools.
 
-**Questions** (from the seeds, and a few more)
+**Questions** (from the workshop this course grew from, and a few more)
 
 1. What do you do when the model does not fit in memory? For Llama-3-70B on 80 GB GPUs, what is the
    smallest TP degree that leaves room for a KV cache of 100,000 tokens in bf16? (Use your
