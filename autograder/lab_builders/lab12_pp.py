@@ -37,9 +37,9 @@ plus a hop between stages. It buys memory (each rank holds 1/p of the layers) an
 - `pipeline_stage(comm, compute, inputs, shape, dtype=torch.float32)`: the loop of stage `comm.rank` of
   `comm.world_size` over the `len(inputs)` micro-batches, in order. For micro-batch j: stage 0 takes
   `inputs[j]`, every other stage receives its input from the stage before (a new tensor of `shape` and
-  `dtype`, on the device of `inputs[j]`); then `y = compute(j, x)`; every stage but the last sends `y` to the next stage (start the
-  send with `isend` and wait for all sends at the end, so a stage never waits for the next one to be
-  ready), the last stage keeps it. Record `(j, start, end)` around each `compute` call with
+  `dtype`, on the device of `inputs[j]`); then `y = compute(j, x)`; every stage but the last sends `y`
+  to the next stage (start the send with `isend` and wait for all sends at the end, so a stage never
+  waits for the next one to be ready), the last stage keeps it. Record `(j, start, end)` around each `compute` call with
   `time.perf_counter()`. Returns `(outputs, timeline)`: the last stage's results in order (an empty
   list on other stages) and the timeline.
 - `bubble_fraction(p, m)`: (p - 1)/(m + p - 1) as a float; `ValueError` if p or m is below 1.
