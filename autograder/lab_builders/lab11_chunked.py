@@ -342,8 +342,8 @@ pf, ch = table.values()
 print(f"\nchunked / prefill-first: ITL p99 x{ch['ITL p99'] / pf['ITL p99']:.2f}, "
       f"ITL max x{ch['ITL max'] / pf['ITL max']:.2f}, throughput x{ch['tok/s'] / pf['tok/s']:.2f}, "
       f"document TTFT x{ch['TTFT doc'] / pf['TTFT doc']:.2f}")
-print("(on a CPU expect ITL p99 x0.33 or less at about the same throughput; on a GPU with eager steps, "
-      "launch-bound whatever they compute, closer to x1: see below)")
+print("(in full mode on a CPU expect ITL p99 x0.33 or less at about the same throughput; on a GPU with "
+      "eager steps, launch-bound whatever they compute, closer to x1: see below)")
 '''),
 md(r"""
 Read your numbers; the effect is what the picture predicted. Under prefill-first, every document
