@@ -461,7 +461,7 @@ class CachedDecoder(Decoder):
         if self.cfg.family == "gpt2":
             x = x + self.pos_embed(position_ids)                  # positions n, n+1, ...: given by the caller
         else:
-            rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+            rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)   # as Decoder.forward
         if kv_cache is None:
             kv_cache = [None] * len(self.blocks)                  # prefill: nothing cached yet
         new_cache = []
@@ -1021,8 +1021,8 @@ prefill.
 `transformers` offers both kinds of cache: its default dynamic cache grows like yours, and a static
 cache allocated once for the whole generation, with fixed shapes, so that the forward pass can be
 compiled and captured in CUDA graphs. The cell follows Hugging Face's recipe: it compiles the forward
-itself (`mode="reduce-overhead"`) and switches off `generate`'s own automatic compile. One sequence, batch 1, same model and dtype, in tokens
-per second:
+itself (`mode="reduce-overhead"`) and switches off `generate`'s own automatic compile. One sequence,
+batch 1, same model and dtype, in tokens per second:
 """),
 code(r"""
 if env.gpu and not env.quick:

@@ -49,7 +49,7 @@ class Stage:
         if self.first:
             x, rope = embed(self.model, x, position_ids)                  # (B, T, C)
         else:
-            rope = None if cfg.family == "gpt2" else rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta)
+            rope = None if cfg.family == "gpt2" else rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
         for i in self.layers:
             x = self.model.blocks[i](x, rope)                             # (B, T, C)
         if self.last:

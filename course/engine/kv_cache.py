@@ -72,7 +72,7 @@ class CachedDecoder(Decoder):
         if self.cfg.family == "gpt2":
             x = x + self.pos_embed(position_ids)
         else:
-            rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+            rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)   # as Decoder.forward
         if kv_cache is None:
             kv_cache = [None] * len(self.blocks)
         if len(kv_cache) != len(self.blocks):
