@@ -107,6 +107,45 @@ def test_memory_limit(tmp_path):
     assert done.returncode != 0 and "MemoryError" in done.stderr
 
 
+RESERVE_AND_WRITE = """
+    import ctypes, json
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    # what CUDA does when it starts: reserve address space it never touches (PROT_NONE, no memory behind it)
+    addr = libc.mmap(None, 16 << 30, 0, 0x02 | 0x20 | 0x4000, -1, 0)    # MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+    found = {"reserve": "ok" if addr not in (None, ctypes.c_void_p(-1).value) else "refused"}
+    try:
+        x = bytearray(3 << 30)                                            # memory really used
+        found["write"] = "ok"
+    except MemoryError:
+        found["write"] = "MemoryError"
+    print(json.dumps(found))
+"""
+
+
+def test_with_gpu_the_memory_cap_counts_memory_used_not_address_space_reserved(tmp_path):
+    """CUDA did not start under an 8 GiB address-space cap on an H100. With --gpu the cap moves to
+    RLIMIT_DATA: a 16 GiB reservation passes, 3 GiB written under a 1 GiB cap still fails."""
+    one_gib = sb.Limits(memory_bytes=1 << 30)
+    assert probe_json(tmp_path / "cpu", RESERVE_AND_WRITE, limits=one_gib) == {"reserve": "refused", "write": "MemoryError"}
+    assert probe_json(tmp_path / "gpu", RESERVE_AND_WRITE, limits=one_gib, gpu=True) == {"reserve": "ok", "write": "MemoryError"}
+    box = sb.Sandbox(run_dir=tmp_path / "plan", lab="lab", limits=one_gib, gpu=True)
+    assert "memory_bytes" not in box.rlimits() and box.rlimits()["data_bytes"] == (1 << 30, 1 << 30)
+
+
+def test_gpu_preflight_fails_closed_and_says_why(tmp_path):
+    """--gpu grading stops before any notebook when CUDA cannot start (else the class is graded on the
+    CPU without a word): no device nodes, or (SANDBOX=off here) a torch that cannot reach CUDA."""
+    if list(Path("/dev").glob("nvidia*")):
+        pytest.skip("this machine has NVIDIA devices: the CPU-side failures cannot be shown here")
+    with pytest.raises(sb.SandboxUnavailable, match=r"no NVIDIA device nodes \(/dev/nvidia\*\)"):
+        sb.preflight_gpu(tmp_path / "a", sb.Limits())
+    with pytest.raises(sb.SandboxUnavailable, match="CUDA does not start inside the sandbox") as e:
+        sb.preflight_gpu(tmp_path / "b", sb.Limits(), enabled=False)
+    assert "--memory" in str(e.value) and "Devices bound: none" in str(e.value)
+
+
 def test_process_limit_stops_a_fork_bomb(tmp_path):
     found = probe_json(tmp_path, """
         import json, os, time

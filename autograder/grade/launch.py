@@ -15,7 +15,8 @@ import resource
 import sys
 
 LIMITS = {  # plan key -> rlimit
-    "memory_bytes": resource.RLIMIT_AS,
+    "memory_bytes": resource.RLIMIT_AS,       # address space (no GPU)
+    "data_bytes": resource.RLIMIT_DATA,       # private writable memory (with --gpu: see Sandbox.rlimits)
     "cpu_seconds": resource.RLIMIT_CPU,
     "processes": resource.RLIMIT_NPROC,
     "file_bytes": resource.RLIMIT_FSIZE,

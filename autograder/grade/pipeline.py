@@ -135,6 +135,8 @@ def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cfg.jobs))
     env = {"COURSE_QUICK": "1" if cfg.quick else "0", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     limits = {"memory_bytes": int(cfg.memory_gib * (1 << 30)), "cpu_seconds": cfg.budget, "processes": cfg.processes}
+    if cfg.gpu:  # fail closed: a kernel whose CUDA cannot start would grade on the CPU without a word
+        log(sandbox.preflight_gpu(tmp / "preflight-gpu", sandbox.Limits(**limits), cache, enabled=cfg.sandbox))
     run_limits = asdict(RunLimits(cell_timeout=cell_timeout, budget=cfg.budget, widget_state=cfg.widget_state))
     jobs = []
     for (student, lab), path in sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0])):

@@ -232,9 +232,16 @@ class Sandbox:
 
     def rlimits(self) -> dict[str, tuple[int, int]]:
         """(soft, hard) per launch.LIMITS key. The CPU limit's soft one sends SIGXCPU (a clear reason),
-        the hard one, 5 s later, SIGKILL (for code that catches SIGXCPU)."""
+        the hard one, 5 s later, SIGKILL (for code that catches SIGXCPU).
+
+        Memory is capped as address space (RLIMIT_AS), except with `gpu`: CUDA reserves far more
+        address space than it uses (on an H100 it did not start under 8 GiB of it, and did under 64),
+        so there the cap is on private writable memory (RLIMIT_DATA: heap and anonymous memory, what
+        tensors on the CPU take), and address space is not limited."""
         limits = asdict(self.limits)
         limits.pop("tmpfs_bytes")
+        if self.gpu:
+            limits["data_bytes"] = limits.pop("memory_bytes")
         if self.uid is None:  # RLIMIT_NPROC counts every process of this user: leave room for theirs
             limits["processes"] += user_task_count(os.getuid())
         pairs = {k: (v, v) for k, v in limits.items()}
@@ -416,3 +423,33 @@ def preflight(run_dir: Path, hidden: list[Path], cache: Path | None = None) -> s
         raise SandboxUnavailable("the sandbox is not isolated: " + "; ".join(problems))
     mode = f"uid {found['uid']}" if box.uid is not None else "user namespace"
     return f"bubblewrap sandbox OK ({mode}, no network, sources and gradebook not visible)"
+
+
+CUDA_PROBE = """
+import json, torch
+torch.zeros(1, device="cuda")           # starts CUDA (raises with the driver's reason)
+print(json.dumps({"devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}))
+"""
+
+
+def preflight_gpu(run_dir: Path, limits: Limits, cache: Path | None = None, enabled: bool = True) -> str:
+    """For `--gpu`: start a kernel's sandbox with the NVIDIA devices and the kernels' own limits, and
+    check that CUDA starts in it. Without this check a kernel whose CUDA failed to start would see no
+    GPU and grade the whole class on the CPU. Returns a one-line description; raises
+    SandboxUnavailable saying what failed."""
+    devices = sorted(str(p) for p in Path("/dev").glob("nvidia*"))
+    if enabled and not devices:
+        raise SandboxUnavailable("--gpu: this machine has no NVIDIA device nodes (/dev/nvidia*); "
+                                 "grade without --gpu (the labs then run on the CPU)")
+    box = Sandbox(run_dir=run_dir, lab="preflight-gpu", cache=cache, limits=limits, gpu=True, enabled=enabled)
+    try:
+        done = box.run([sys.executable, "-c", CUDA_PROBE], timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SandboxUnavailable(f"--gpu: the GPU check did not finish: {e}") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SandboxUnavailable(f"--gpu: CUDA does not start inside the sandbox ({last[-400:]}). "
+                                 f"Devices bound: {', '.join(devices) or 'none'}; memory cap "
+                                 f"{limits.memory_bytes / (1 << 30):g} GiB of private memory (--memory).")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return f"GPU check OK: CUDA starts inside the sandbox ({', '.join(found['devices'])})"
