@@ -13,7 +13,9 @@ wheels can travel). Each step that needs more says so in the report instead of f
    section recorded (`course.report.record`) beside the claim it supports;
 2. every Triton kernel compiled (not interpreted) against its reference in fp32, fp16 and bf16:
    `tests/test_paged_kernels.py` under pytest, without TRITON_INTERPRET (needs pytest);
-3. the simulated class graded with `--gpu` in the sandbox, each expected score checked (needs
+3. CUDA started under a grading kernel's limits, as `make grade --gpu` checks before it grades
+   (sandboxed where bubblewrap is installed, else the limits alone);
+4. the simulated class graded with `--gpu` in the sandbox, each expected score checked (needs
    nbgrader and bubblewrap).
 
 Then the targets the issues set for an H100 (TARGETS below), each read from a full-mode measurement
@@ -34,9 +36,13 @@ target. `--deadline` starts nothing new past that many seconds and lists what it
 already runs finishes (a lab, or the kernel check: a cell cut short would read as a failure), so
 leave a 10-minute command a few minutes beyond it.
 
-Seen on an H100 (2026-11-26): all 12 labs in quick mode with --jobs 4 in about 140 s; the kernel
-check about 140 s (on 16 cores; it compiles for three targets); full mode, one at a time: 02 85 s,
-03 111 s, 06 56 s, 08 106 s, 09 24 s (before labs 06, 08 and 09 grew their GPU measurements).
+Seen on an H100 (2026-11-26): all 12 labs in quick mode with --jobs 4 in about 140 s (7 of them with
+--jobs 7: 82 s); the kernel check about 140 s (on 16 cores; it compiles for three targets); full
+mode, one at a time, at a2d5495: 02 98 s, 03 227 s, 06 77 s, 08 121 s, 09 34 s. The targets alone
+take about 560 s: more than one 10-minute command. A 15-minute lease that worked: the machine started
+in 34 s; the third set-up call installed (47 s) and ran the quick labs and lab 06 in full mode
+(250 s); a fourth ran 08, 09 and 03 in full mode, a fifth 02. Pass `--keep $OUT/nb` for a lab whose
+printed lines you need (the report holds only what `record` kept).
 """
 from __future__ import annotations
 
@@ -57,6 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 LABS = REPO / "labs"
 DEFAULT_OUT = REPO / "build" / "gpu-report.md"
 FULL_MODE_TARGET_S = 180          # every lab's full mode on an H100-class GPU (issue: GPU proof)
+OPTIONAL_ON = {"COURSE_HF_COMPILE": "1"}  # optional parts a student turns on; the proof runs them for their targets
 MODES = ("quick", "full")
 
 
@@ -85,6 +92,11 @@ class LabRun:
     @property
     def points(self) -> float:
         return sum(c.points for c in self.cells)
+
+    @property
+    def optional_seconds(self) -> float:
+        """Seconds spent in parts a student turns on (OPTIONAL_ON): measurements keyed `optional_*` in s."""
+        return sum(m["value"] or 0.0 for m in self.measurements if m["key"].startswith("optional_") and m["unit"] == "s")
 
     @property
     def ok(self) -> bool:
@@ -215,7 +227,7 @@ def run_lab(lab: str, mode: str, timeout: int, keep: Path | None = None, labs_di
     run = LabRun(lab, mode)
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "measurements.jsonl"
-        env = {**os.environ, "COURSE_QUICK": "1" if mode == "quick" else "0", "COURSE_MEASUREMENTS": str(log),
+        env = {**os.environ, **OPTIONAL_ON, "COURSE_QUICK": "1" if mode == "quick" else "0", "COURSE_MEASUREMENTS": str(log),
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
         env.pop("TRITON_INTERPRET", None)                     # a GPU compiles its kernels
         client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
@@ -255,6 +267,21 @@ def run_kernel_checks(timeout: int) -> Step:
 
 
 # --- 3. the class, graded on the GPU -----------------------------------------------------------------
+
+def grading_cuda_check() -> Step:
+    """CUDA started under the limits a grading kernel gets with `--gpu` (sandboxed where bubblewrap is
+    installed): the check `make grade --gpu` makes before it grades anything."""
+    from autograder.grade import sandbox
+
+    name = "CUDA starts under a grading kernel's limits (--gpu)"
+    enabled = shutil.which("bwrap") is not None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            said = sandbox.preflight_gpu(Path(tmp) / "run", sandbox.Limits(), enabled=enabled)
+        except sandbox.SandboxUnavailable as e:
+            return Step(name, "failed", str(e)[:1500])
+    return Step(name, "passed", said + ("" if enabled else "; no bubblewrap here: the limits alone, unsandboxed"))
+
 
 def grade_class(labs: list[str]) -> Step:
     """The simulated class of every lab, graded in the sandbox with the GPU visible; every expected
@@ -297,9 +324,10 @@ def write_report(path: Path, facts: dict, runs: list[LabRun], steps: list[Step],
         lines += [f"Quick mode ran {concurrent} labs at a time on the one GPU: its times are not measurements.", ""]
     lines += ["| lab | mode | time (s) | graded | cells that raised | result |", "|---|---|---|---|---|---|"]
     for r in runs:
-        slow = r.mode == "full" and r.seconds > FULL_MODE_TARGET_S
+        slow = r.mode == "full" and r.seconds - r.optional_seconds > FULL_MODE_TARGET_S
         result = "ok" if r.ok and not slow else "FAILED" if not r.ok else f"over {FULL_MODE_TARGET_S} s"
-        lines.append(f"| {r.lab} | {r.mode} | {r.seconds:.0f} | {r.score:g}/{r.points:g} | {len(r.errors)} | {result} |")
+        took = f"{r.seconds:.0f}" + (f" ({r.seconds - r.optional_seconds:.0f} without its optional parts)" if r.optional_seconds else "")
+        lines.append(f"| {r.lab} | {r.mode} | {took} | {r.score:g}/{r.points:g} | {len(r.errors)} | {result} |")
     bad = [r for r in runs if not r.ok]
     if bad:
         lines += ["", "### Failures", ""]
@@ -410,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for lab in labs:
             done(run_lab(lab, mode, args.timeout, args.keep) if left() > 0 else None, lab, mode)
-    for name, wanted, run in (("Triton kernels compiled", not args.no_kernels, lambda: run_kernel_checks(timeout=1800)),
+    for name, wanted, run in (("CUDA under the grading limits", True, grading_cuda_check),
+                              ("Triton kernels compiled", not args.no_kernels, lambda: run_kernel_checks(timeout=1800)),
                               ("the simulated class", not args.no_class, lambda: grade_class(labs))):
         if not wanted:
             continue

@@ -34,11 +34,13 @@ def test_a_lab_run_collects_scores_and_measurements(tmp_path):
         authoring.locked("setup", "import course\nenv = course.setup(verbose=False)"),
         authoring.solution("f", "def f():\n    ### BEGIN SOLUTION\n    return 2\n    ### END SOLUTION"),
         authoring.tests("f_tests", 1, "assert f() == 2, 'f() is 2'"),
-        authoring.code("from course.report import record\nrecord('twice', 2 * f(), 'x', 'f doubles', device=env.device)"),
+        authoring.code("from course.report import record\nrecord('twice', 2 * f(), 'x', 'f doubles', device=env.device)\n"
+                       "import os\nrecord('optional_on', os.environ.get('COURSE_HF_COMPILE') == '1', '', 'the proof turns it on')"),
     ])
     run = run_lab("00_tiny", "quick", timeout=120, labs_dir=tmp_path)
     assert run.ok and run.score == 1, (run.failure, run.errors, run.cells)
-    assert run.measurements == [{"key": "twice", "value": 4.0, "unit": "x", "claim": "f doubles", "device": "cpu"}]
+    assert run.measurements == [{"key": "twice", "value": 4.0, "unit": "x", "claim": "f doubles", "device": "cpu"},
+                                {"key": "optional_on", "value": 1.0, "unit": "", "claim": "the proof turns it on"}]
 
 
 def test_report_shows_failures_times_and_claims(tmp_path):
@@ -125,3 +127,27 @@ def test_a_quick_job_past_its_wall_clock_stop_does_not_start():
 
     from autograder.gpu_check import _run_lab_job
     assert _run_lab_job(("01_inference", "quick", 900, None, time.time() - 1)) is None
+
+
+def test_the_grading_cuda_check_fails_on_a_machine_where_cuda_cannot_start():
+    """The step that tries what `make grade --gpu` checks first; on this CPU machine it must fail, saying why."""
+    from pathlib import Path
+
+    import pytest
+
+    from autograder.gpu_check import grading_cuda_check
+    if list(Path("/dev").glob("nvidia*")):
+        pytest.skip("NVIDIA devices here")
+    step = grading_cuda_check()
+    assert step.status == "failed" and ("/dev/nvidia" in step.detail or "CUDA does not start" in step.detail), step
+
+
+def test_a_labs_time_limit_leaves_out_the_optional_parts_the_proof_turns_on(tmp_path):
+    """Lab 03's HF compile comparison is off for students; the proof turns it on for its target and
+    judges the 3-minute limit on the rest (the seconds the lab recorded as `optional_*`)."""
+    optional = {"key": "optional_hf_compile_s", "value": 100.0, "unit": "s", "claim": "c"}
+    fits = LabRun("03_kv_cache", "full", 250.0, [Cell("a", 1, 1)], measurements=[optional])
+    slow = LabRun("02_prefill_decode", "full", 250.0, [Cell("a", 1, 1)])
+    text = write_report(tmp_path / "r.md", {}, [fits, slow], [])
+    assert "| 03_kv_cache | full | 250 (150 without its optional parts) | 1/1 | 0 | ok |" in text
+    assert "| 02_prefill_decode | full | 250 | 1/1 | 0 | over 180 s |" in text
