@@ -16,6 +16,7 @@ Labs are found at run time: a new lab is graded here with its spec, or with gene
 from __future__ import annotations
 
 import asyncio
+import copy
 import csv
 import hashlib
 import io
@@ -155,6 +156,7 @@ def test_scan_is_quiet_on_every_labs_own_solution(lab):
             from autograder.fixtures import answer_source
 
             assert tamper.scan(answer_source(cell), mods, tamper.given_objects(source) - mods) == [], grade_id(cell)
+            assert tamper.package_answers(answer_source(cell), tamper.graded_answers(source), aliases) == [], grade_id(cell)
 
 
 # --- collection ------------------------------------------------------------------------------------
@@ -461,6 +463,43 @@ def test_cli_zip_class_list_and_loud_sandbox_off(tmp_path):
     for args, word in ((("--student", "bne"), "bne"), (("--memory", "0"), "--memory"), (("--budget", "0"), "--budget")):
         bad = grade(*args)
         assert bad.returncode == 2 and word in bad.stderr, (args, bad.stdout[-500:], bad.stderr[-500:])
+
+
+@pytest.mark.slow
+def test_an_answer_that_calls_the_packages_copy_is_flagged_for_review(tmp_path):
+    """The package holds labs' answers for later labs' given code (lab 07's apply_temperature is in
+    course.engine.logits). A student who imports it, or wraps it, instead of writing the answer passes
+    the tests; a real grading run flags each such line for the instructor (`package-answer`)."""
+    labs = tmp_path / "labs"
+    authoring.write_notebook(labs / "00_tiny" / "00_tiny.ipynb", [
+        authoring.locked("setup", "import course\nimport torch\nenv = course.setup()"),
+        authoring.solution("temperature", "def apply_temperature(logits, temperature):\n    ### BEGIN SOLUTION\n"
+                           "    return logits / torch.as_tensor(temperature, dtype=logits.dtype)[:, None]\n    ### END SOLUTION"),
+        authoring.tests("temperature_tests", 1, "assert torch.equal(apply_temperature(torch.ones(2, 3), [2.0, 4.0]), "
+                        "torch.tensor([[0.5] * 3, [0.25] * 3]))"),
+    ])
+    release = nbformat.read(generate_release("00_tiny", labs, tmp_path / "rel", gradebook=None), as_version=4)
+    source = nbformat.read(labs / "00_tiny" / "00_tiny.ipynb", as_version=4)
+    honest = full_solution(release, source)
+    copiers = {"imports": "from course.engine.logits import apply_temperature",
+               "wraps": "from course.engine import logits as L\n\ndef apply_temperature(logits, temperature):\n"
+                        "    return L.apply_temperature(logits, temperature)"}
+    sub = tmp_path / "sub"
+    for student, nb in [("honest", honest)] + [(name, copy.deepcopy(honest)) for name in copiers]:
+        for cell in nb.cells:
+            if student in copiers and cell_kind(cell) == "solution":
+                cell.source = copiers[student]
+        (sub / student / "00_tiny").mkdir(parents=True)
+        nbformat.write(nb, sub / student / "00_tiny" / "00_tiny.ipynb")
+    done = subprocess.run([sys.executable, "-m", "autograder.grade", "--sandbox", "off", "--labs-dir", str(labs),
+                           "--submitted", str(sub), "--autograded", str(tmp_path / "ag"), "--feedback", str(tmp_path / "fb"),
+                           "--out", str(tmp_path / "out"), "--gradebook", str(tmp_path / "gb.db"), "--timeout", "120"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["student"]: r for r in csv.DictReader(open(tmp_path / "out" / "grades.csv"))}
+    assert all(rows[s]["score"] == "1" for s in rows), "the package's copy passes the tests: only a person can tell"
+    assert "package-answer" not in rows["honest"]["flags"]
+    assert all("package-answer" in rows[s]["flags"] for s in copiers), rows
 
 
 def test_nbgrader_timestamps_are_read():

@@ -29,6 +29,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "guard-broken": ("zero", "the grader's in-kernel guard stopped answering or was forged: the rest scores 0"),
     "patched": ("review", "student code replaced something tests use; it was put back before the tests ran"),
     "suspicious": ("review", "student code uses tools that can tamper with grading (see the detail)"),
+    "package-answer": ("review", "student code calls the course package's copy of one of this lab's graded answers "
+                                 "instead of its own (the package holds them for later labs)"),
     "events": ("review", "student code did something grading never needs (subprocess, network, fork, ctypes, ...)"),
     "threads": ("review", "student code left background threads running"),
     "outputs-disagree": ("review", "the submitted notebook claims this test passed; graded, it failed"),

@@ -21,6 +21,10 @@ complete against code written by someone who has read this grader, so there are 
    (review). It is what catches the attacks layer 2 cannot see, such as writes through
    `module.__dict__` that undo themselves, or a guard replaced by code that found its key.
 
+A fourth scan is not about tampering: the `course` package holds labs' answers as later labs'
+given code, so an answer cell can call the package's copy of the very function it should write
+(`package_answers` -> `package-answer`, review: the tests pass on the package's code).
+
 Limits, stated: an object returned by student code that lies about equality passes a test that
 compares with `==` (the scan flags classes defining `__eq__`); a patch that undoes itself through
 `__dict__` within one test cell is caught only by the scan.
@@ -168,6 +172,71 @@ def import_aliases(sources: list[str]) -> dict[str, tuple[str, str | None]]:
 class Finding:
     line: int
     what: str
+
+
+def graded_answers(source_nb) -> set[str]:
+    """The functions and classes the lab's solution cells define: its graded answers."""
+    from autograder.grade.repair import cell_kind
+
+    names: set[str] = set()
+    for cell in source_nb.cells:
+        if cell.cell_type == "code" and cell_kind(cell) == "solution":
+            tree = parse(cell.source)
+            names |= {n.name for n in (tree.body if tree else [])
+                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    return names
+
+
+def _course_object(path: str):
+    """The object at the dotted `path` inside the `course` package, or None (imports only course modules)."""
+    import importlib
+
+    parts = path.split(".")
+    if parts[0] != "course":
+        return None
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part, None)
+        return obj
+    return None
+
+
+def package_answers(source: str, answers: set[str], aliases: dict[str, tuple[str, str | None]]) -> list[Finding]:
+    """Uses, in one student cell, of the `course` package's own copy of one of this lab's graded
+    answers: `from course.serve import AsyncEngine`, `course.engine.sampler.sample(...)`, or
+    `sampler.sample` after `from course.engine import sampler`. The package holds earlier labs'
+    answers as later labs' given code, so a student can call them instead of writing their own.
+    `aliases`: the submission's import aliases. A hit is an object of that name defined in `course`."""
+    tree = parse(source)
+    if tree is None or not answers:
+        return []
+    found: list[Finding] = []
+
+    def check(node: ast.AST, path: str, name: str) -> None:
+        obj = _course_object(path)
+        if getattr(obj, "__name__", None) == name and str(getattr(obj, "__module__", "")).startswith("course"):
+            found.append(Finding(getattr(node, "lineno", 0), f"uses {path}, the package's copy of the graded {name}"))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "course":
+            for a in node.names:
+                if a.name in answers:
+                    check(node, f"{node.module}.{a.name}", a.name)
+        elif isinstance(node, ast.Attribute) and node.attr in answers:
+            chain, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in aliases:
+                module, attr = aliases[base.id]
+                prefix = f"{module}.{attr}" if attr else module
+                if prefix.split(".")[0] == "course":
+                    check(node, ".".join([prefix, *reversed(chain)]), node.attr)
+    return sorted(set(found), key=lambda f: (f.line, f.what))
 
 
 def _root(node: ast.AST) -> str | None:

@@ -121,10 +121,14 @@ def grade(job: Job) -> Outcome:
     aliases = tamper.import_aliases([c.source for c in source.cells if c.cell_type == "code"])
     module_names = {a for a, (mod, _) in aliases.items() if mod.split(".")[0] in tamper.GUARDED_ROOTS}
     given = tamper.given_objects(source) - module_names   # hf_model.generate = ... is patching too
+    answers = tamper.graded_answers(source)
+    submitted_aliases = tamper.import_aliases([c.source for c in fixed.nb.cells if c.cell_type == "code"])
     for i, (cell, kind) in enumerate(zip(fixed.nb.cells, fixed.kinds)):
         if kind in STUDENT_KINDS and cell.cell_type == "code":
             for f in tamper.scan(cell.source, module_names, given):
                 out.flag("suspicious", f"line {f.line}: {f.what}", label(fixed.nb, i))
+            for f in tamper.package_answers(cell.source, answers, submitted_aliases):
+                out.flag("package-answer", f"line {f.line}: {f.what}", label(fixed.nb, i))
 
     if not job.sandbox:
         out.flag("sandbox-off", "graded without the sandbox (SANDBOX=off)")
