@@ -327,9 +327,11 @@ md(r"""
 
 On a GPU, the engine of lab 05 runs with your Triton kernels in place of the PyTorch functions:
 `store_kv` writes every new key and value, your split-KV kernel does every decode attention. It must
-give the same tokens as the contiguous engine of lab 04 (in bf16 or fp16, a near-tie between two
-tokens can part them: the cell prints how many agree) and, with a kernel that reads the blocks in
-place, run about as fast. In the interpreter a forward pass would launch thousands of slow programs
+give the same tokens as the contiguous engine of lab 04 and, with a kernel that reads the blocks in
+place, run about as fast or faster. In bf16 or fp16 two kernels that add up the same numbers in a
+different order can break a near-tie between two tokens differently, and from there the texts part:
+over 64 tokens most requests may. The cell prints where they part. Late, after tokens that agreed,
+is a near-tie; at the first tokens, look for a bug. In the interpreter a forward pass would launch thousands of slow programs
 per step, so on a CPU this cell only says so.
 """),
 code(r"""
@@ -350,8 +352,13 @@ else:
             "paged (PyTorch reference)": paged_generate(model, workload(), B, n_blocks, 16),
             "paged (your Triton kernels)": paged_generate(model, workload(), B, n_blocks, 16, **yours)}
     print(f"{n_req} requests x {new_tokens} tokens, batches of {B}, {env.dtype} on {torch.cuda.get_device_name(0)}")
-    same = sum(a == b for a, b in zip(runs["paged (your Triton kernels)"].outputs, runs["contiguous (slots, SDPA)"].outputs))
-    print(f"requests with the same tokens as the contiguous engine: {same} of {n_req}")
+    pairs = list(zip(runs["paged (your Triton kernels)"].outputs, runs["contiguous (slots, SDPA)"].outputs))
+    same = sum(a == b for a, b in pairs)
+    # where each pair that differs parts: its first differing token (a shorter output parts where it ends)
+    first_diff = sorted(next(i for i, (x, y) in enumerate(zip(a + [None], b + [-1])) if x != y) for a, b in pairs if a != b)
+    print(f"requests with the same tokens as the contiguous engine: {same} of {n_req}"
+          + (f"; the others part at token {first_diff[0]} at the earliest, {first_diff[len(first_diff) // 2]} "
+             f"in the median (of {new_tokens})" if first_diff else ""))
     for name, run in runs.items():
         print(f"{name:>30}: {run.throughput:7.1f} tokens/s   (decode steps: {getattr(run, 'graphs', 'eager')})")
     ratio = runs["paged (your Triton kernels)"].throughput / runs["contiguous (slots, SDPA)"].throughput
