@@ -1091,8 +1091,8 @@ launch-bound like yours. The second idea, a static cache with fixed shapes that 
 and capture in CUDA graphs, is behind `HF_COMPILE` because compiling takes minutes. Turned on, it
 prints how many graphs were compiled and how many CUDA graphs the compiler skipped: each skip leaves
 that graph's launches in, and the speed shows it. (On the H100 we tried, the compiled line reached 74
-tokens/s, the eager one 44, the course engine 298.) The course's engine takes a plainer road: a CUDA graph over a preallocated cache, no
-compiler. Labs 04-06 build their engines on the graph path.
+tokens/s, the eager one 44, the course engine 298.) The course's engine takes a plainer road: a CUDA
+graph over a preallocated cache, no compiler. Labs 04-06 build their engines on the graph path.
 
 ## Summary
 
