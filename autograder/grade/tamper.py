@@ -197,7 +197,7 @@ def _course_object(path: str):
     for i in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
+        except Exception:  # noqa: BLE001 - not a module (or one that cannot load here): try the shorter path
             continue
         for part in parts[i:]:
             obj = getattr(obj, part, None)
