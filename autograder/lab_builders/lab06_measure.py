@@ -330,9 +330,9 @@ On a GPU, the engine of lab 05 runs with your Triton kernels in place of the PyT
 give the same tokens as the contiguous engine of lab 04 and, with a kernel that reads the blocks in
 place, run about as fast or faster. In bf16 or fp16 two kernels that add up the same numbers in a
 different order can break a near-tie between two tokens differently, and from there the texts part:
-over 64 tokens most requests may. The cell prints where they part. Late, after tokens that agreed,
-is a near-tie; at the first tokens, look for a bug. In the interpreter a forward pass would launch thousands of slow programs
-per step, so on a CPU this cell only says so.
+over 64 tokens most requests may. The cell prints where they part. A late parting, after many tokens
+that agreed, is a near-tie; a parting at the first tokens points to a bug. In the interpreter a
+forward pass would launch thousands of slow programs per step, so on a CPU this cell only says so.
 """),
 code(r"""
 if not env.gpu:
