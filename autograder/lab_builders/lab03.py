@@ -1021,10 +1021,10 @@ prefill.
 
 `transformers` offers both kinds of cache: its default dynamic cache grows like yours, and a static
 cache allocated once for the whole generation, with fixed shapes, so that the forward pass can be
-compiled and captured in CUDA graphs. With `HF_COMPILE = True` the cell follows Hugging Face's
-recipe for the second: it compiles the forward itself (`mode="reduce-overhead"`) and switches off
-`generate`'s own automatic compile. One sequence, batch 1, same model and dtype, in tokens per
-second:
+compiled and captured in CUDA graphs. With `HF_COMPILE = True` the cell runs the second the way
+`transformers` does by default: `generate` compiles the model for the decode step
+(`mode="reduce-overhead"`, CUDA graphs) and runs the prefill eagerly. One sequence, batch 1, same
+model and dtype, in tokens per second:
 """),
 code(r"""
 import os
@@ -1039,30 +1039,23 @@ if env.gpu and not env.quick:
 
     per_s = {}
     per_s["HF generate (dynamic cache)"] = n_hf / benchmark(hf_generate, warmup=1, repeats=1, device=env.device).median
-    # Hugging Face's recipe: the forward pass compiled whole (fullgraph) with CUDA graphs ("reduce-overhead"),
-    # and a static cache so that every decode step has the same shapes. generate's automatic compile stays
-    # off (it would compile a second time). If the recipe fails here, generate's automatic compile instead.
-    recipes = [("forward compiled (fullgraph)", True, dict(cache_implementation="static", disable_compile=True)),
-               ("generate's automatic compile", False, dict(cache_implementation="static"))]
+    # transformers' own recipe: a static cache makes generate compile the model for the decode step
+    # (mode="reduce-overhead": CUDA graphs) and run the prefill eagerly. The prefill allocates the cache
+    # outside the compiler, which marks its tensors as fixed addresses, so that graphs may write into them.
     from torch._dynamo.utils import counters    # what the compiler did: graphs compiled, CUDA graphs it skipped
-    optional_start = clock(env.device)
-    for recipe, compile_forward, kwargs in recipes if HF_COMPILE else []:
+    if HF_COMPILE:
+        optional_start = clock(env.device)
         try:
-            if compile_forward:
-                hf_bf.forward = torch.compile(hf_bf.forward, mode="reduce-overhead", fullgraph=True)
             start = clock(env.device)
-            for _ in range(3):                        # compile (prefill and decode shapes), record graphs
-                hf_generate(**kwargs)
-            print(f"HF static cache + torch.compile, {recipe}: {clock(env.device) - start:.0f} s before its first fast run; "
+            for _ in range(3):                        # compile, then record the CUDA graphs
+                hf_generate(cache_implementation="static")
+            print(f"HF static cache + torch.compile: {clock(env.device) - start:.0f} s before its first fast run; "
                   f"graphs compiled {counters['stats']['unique_graphs']}, CUDA graphs skipped "
                   f"{counters['inductor']['cudagraph_skips']} (a skip leaves that graph's launches in)")
-            per_s["HF static cache + torch.compile"] = n_hf / benchmark(lambda: hf_generate(**kwargs), warmup=0,
-                                                                          repeats=3, device=env.device).median
-            break
+            per_s["HF static cache + torch.compile"] = n_hf / benchmark(lambda: hf_generate(cache_implementation="static"),
+                                                                          warmup=0, repeats=3, device=env.device).median
         except Exception as e:  # noqa: BLE001 - a GPU without a working compiler still gets the rest
-            print(f"HF static cache + torch.compile, {recipe}: did not run here ({type(e).__name__}: {str(e)[:120]})")
-            hf_bf.__dict__.pop("forward", None)      # the model's own forward again
-    if HF_COMPILE:
+            print(f"HF static cache + torch.compile: did not run here ({type(e).__name__}: {str(e)[:120]})")
         record("optional_hf_compile_s", clock(env.device) - optional_start, "s",
                "the optional HF static cache + torch.compile comparison (COURSE_HF_COMPILE=1)", device=env.device)
     else:
@@ -1090,8 +1083,12 @@ On a GPU, the first line is your cache in someone else's code: a dynamic cache, 
 launch-bound like yours. The second idea, a static cache with fixed shapes that a compiler can fuse
 and capture in CUDA graphs, is behind `HF_COMPILE` because compiling takes minutes. Turned on, it
 prints how many graphs were compiled and how many CUDA graphs the compiler skipped: each skip leaves
-that graph's launches in, and the speed shows it. (On the H100 we tried, the compiled line reached 74
-tokens/s, the eager one 44, the course engine 298.) The course's engine takes a plainer road: a CUDA
+that graph's launches in, and the speed shows it. Skips have the cause you met in lab 02: a graph
+replays fixed addresses. Compile the whole forward yourself (`model.forward = torch.compile(...)`,
+the recipe older guides give) and the prefill runs compiled too, so the static cache is allocated
+inside the compiler, is never marked as a fixed address, and the graphs that write into it are
+skipped. That recipe reached 74 tokens/s on the H100 we tried, the eager one 44, the course engine 298.
+The course's engine takes a plainer road: a CUDA
 graph over a preallocated cache, no compiler. Labs 04-06 build their engines on the graph path.
 
 ## Summary
