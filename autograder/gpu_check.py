@@ -132,6 +132,8 @@ TARGETS = (
     Target("06_triton_kernels", "split_kv_vs_sdpa_8x8192", 0.8, "issue 16: split-KV decode >= 0.8x SDPA, 8 x 8k"),
     Target("06_triton_kernels", "split_kv_roofline_32x1024", 0.5, "issue 16: split-KV >= 50% of HBM bandwidth, 32 x 1k"),
     Target("06_triton_kernels", "split_kv_roofline_8x8192", 0.5, "issue 16: split-KV >= 50% of HBM bandwidth, 8 x 8k"),
+    Target("06_triton_kernels", "split_kv_roofline_best_split_32x1024", 0.5,
+           "issue 16: split-KV at its fastest split length >= 50% of HBM bandwidth, 32 x 1k"),
     Target("06_triton_kernels", "prefill_vs_sdpa_4096", 0.5, "issue 16: paged prefill >= 0.5x SDPA flash, 4k tokens"),
     Target("06_triton_kernels", "engine_paged_triton_vs_contiguous", 0.9,
            "issues 15, 16: the paged engine with the Triton kernel >= 0.9x the contiguous engine"),

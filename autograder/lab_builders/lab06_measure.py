@@ -221,6 +221,38 @@ if env.gpu:
     print("the configuration autotuning kept:", getattr(tuned_split_kernel, "best_config", None))
 """),
 md(r"""
+### On a GPU: the split length is a knob
+
+`choose_split_len` guesses how many tokens each split should take: enough splits for about two
+programs per SM. It is a rule of thumb, and your GPU may disagree with it. More splits put more
+programs to work and more loads in flight; fewer splits give each program a longer loop to pipeline
+and stage 2 fewer rows to merge. The cell times your split-KV kernel at both shapes for every split
+length, the launcher's choice marked with `<`:
+"""),
+code(r"""
+if not env.gpu:
+    print("skipped: no GPU here")
+else:
+    from course.report import record
+
+    for batch, ctx in env.pick(((32, 1024), (8, 8192)), ((32, 1024),)):
+        paged, _ = decode_case(batch, ctx)
+        nbytes, chosen = kv_bytes([ctx] * batch, Hkv, D, dt), choose_split_len(batch, Hkv, ctx)
+        print(f"{batch} x {ctx}, {dt_name} on {gpu}:")
+        best = None
+        for split_len in sorted({128, 256, 384, 512, 1024, 2048, chosen} & set(range(128, ctx + 1))):
+            seconds = bench_replayed(lambda *a: paged_attention_split(*a, split_len=split_len), *paged) * 1e-3
+            gbs, frac = bandwidth(seconds, nbytes, peak.bytes_per_s)
+            programs = batch * Hkv * -(-ctx // split_len)
+            print(f"  split_len {split_len:5d}: {programs:5d} programs {seconds * 1e6:7.1f} us = {frac:4.0%} of the roofline"
+                  + ("   < the launcher's choice" if split_len == chosen else ""))
+            best = min(best or (seconds, split_len, frac), (seconds, split_len, frac))
+        print(f"  fastest: split_len {best[1]} at {best[2]:.0%} of the roofline")
+        where = dict(device=gpu, dtype=dt_name, shape=f"{batch}x{ctx}", timing="CUDA-graph replay", split_len=best[1])
+        record(f"split_kv_roofline_best_split_{batch}x{ctx}", best[2], "of peak",
+               "split-KV decode at its fastest split length reaches >= 0.5 of the HBM roofline on an H100", **where)
+"""),
+md(r"""
 ### On a GPU: the prefill against SDPA's flash backend
 
 The same measurement for Problem 6, one sequence at several prompt lengths, against PyTorch's
@@ -316,8 +348,9 @@ and say what you expect a GPU to show):
 3. Name two more reasons your kernel is below the roofline that you can see in your numbers (think of
    the gap between two kernels of a graph against a floor of microseconds, the number of programs
    against the SMs, the last wave of programs, the padded rows of `tl.dot`, the `TILE` autotuning
-   picked). What would `triton.testing.do_bench`, which launches every call from Python, have
-   reported at 32 x 1k, judging by the profile's CPU time per call?
+   picked, the split length the sweep found fastest). What would `triton.testing.do_bench`, which
+   launches every call from Python, have reported at 32 x 1k, judging by the profile's CPU time per
+   call?
 4. Why can v2 not reach the roofline at 8 x 8k, however well it is tuned?
 
 *Your answer here.*
