@@ -151,3 +151,20 @@ def test_a_labs_time_limit_leaves_out_the_optional_parts_the_proof_turns_on(tmp_
     text = write_report(tmp_path / "r.md", {}, [fits, slow], [])
     assert "| 03_kv_cache | full | 250 (150 without its optional parts) | 1/1 | 0 | ok |" in text
     assert "| 02_prefill_decode | full | 250 | 1/1 | 0 | over 180 s |" in text
+
+
+def test_labs_that_shared_the_gpu_give_an_upper_bound_of_time_and_no_target(tmp_path):
+    """--jobs in full mode: within 3 minutes beside others is within them alone; over is 'run it alone',
+    and the measurements of a lab that shared the GPU never decide a target."""
+    shared = _full("02_prefill_decode", graph_speedup=12.0)
+    shared.concurrent = 7
+    slow = LabRun("01_inference", "full", 200.0, [Cell("a", 1, 1)], concurrent=7)
+    text = write_report(tmp_path / "r.md", {}, [shared, slow], [])
+    assert "| 02_prefill_decode | full | 60, 7 at a time | 1/1 | 0 | ok |" in text
+    assert "| 01_inference | full | 200, 7 at a time | 1/1 | 0 | over 180 s: run it alone |" in text
+    assert "upper bound" in text
+    verdicts = {(t.lab, t.key): v for t, *_, v in target_rows([shared])}
+    assert verdicts["02_prefill_decode", "graph_speedup"] == "ran beside other labs: run it alone"
+    alone = _full("02_prefill_decode", graph_speedup=12.0)
+    verdicts = {(t.lab, t.key): v for t, *_, v in target_rows([shared, alone])}
+    assert verdicts["02_prefill_decode", "graph_speedup"] == "met", "the lone run decides"
