@@ -27,8 +27,8 @@ has one, and it soon becomes the largest thing in GPU memory, which is what labs
 **Time:** about 2 hours: 30 minutes of reading, four problems (cached attention about 35 minutes,
 threading the cache through the model 20, the generate loop 20, the cache size 10), and about 5
 minutes of running on a laptop CPU (the last measurement, up to 256 new tokens without a cache, takes
-most of it; with `COURSE_QUICK=1` it stops at 16 tokens), about 2 minutes on a GPU (2 more if you
-turn on the `torch.compile` comparison). **Hardware:** everything runs on a CPU. On a GPU the model
+most of it; with `COURSE_QUICK=1` it stops at 16 tokens), about 2 minutes on a GPU (up to 2 more if
+you turn on the `torch.compile` comparison). **Hardware:** everything runs on a CPU. On a GPU the model
 runs in bf16 and the last section adds measurements only a GPU can make: the cache with its decode
 step in a CUDA graph, Hugging Face's generate beside it, and, if you turn it on, Hugging Face's
 static cache with `torch.compile`.
