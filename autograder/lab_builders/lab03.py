@@ -1087,9 +1087,9 @@ that graph's launches in, and the speed shows it. Skips have the cause you met i
 replays fixed addresses. Compile the whole forward yourself (`model.forward = torch.compile(...)`,
 the recipe older guides give) and the prefill runs compiled too, so the static cache is allocated
 inside the compiler, is never marked as a fixed address, and the graphs that write into it are
-skipped. That recipe reached 74 tokens/s on the H100 we tried, the eager one 44, the course engine 298.
-The course's engine takes a plainer road: a CUDA
-graph over a preallocated cache, no compiler. Labs 04-06 build their engines on the graph path.
+skipped. That recipe reached 74 tokens/s on the H100 we tried, the eager one 44, the course engine
+298. The course's engine takes a plainer road: a CUDA graph over a preallocated cache, no compiler.
+Labs 04-06 build their engines on the graph path.
 
 ## Summary
 
