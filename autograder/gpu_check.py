@@ -32,13 +32,13 @@ it finished. In a short lease (a 10-minute command, a few minutes of set-up), sp
         10_smaller_kv_cache 11_serving 12_distributed --modes full --jobs 7 --no-kernels --no-class
     python -m autograder.gpu_check --targets-only --modes full --no-kernels --deadline 420 --out $OUT/full.md
 
-`--jobs N` runs N labs at a time on the one GPU. Their times are then upper bounds: a lab that stays
-within the 3 minutes beside six others stays within them alone, and one that does not is marked to
-be rerun alone. Such runs count toward no target; the targets need a lab alone on the GPU, so the
-last line runs, one at a time, only the labs that hold one. `--deadline` starts nothing new past
-that many seconds and lists what it left out; what already runs finishes (a lab, or the kernel
-check: a cell cut short would read as a failure), so leave a 10-minute command a few minutes beyond
-it.
+`--jobs N` runs N labs at a time on the one GPU, each with its share of the CPU cores
+(OMP_NUM_THREADS). Their times are then upper bounds: a lab that stays within the 3 minutes beside
+six others stays within them alone, and one that does not is marked to be rerun alone. Such runs
+count toward no target; the targets need a lab alone on the GPU, so the last line runs, one at a
+time, only the labs that hold one. `--deadline` starts nothing new past that many seconds and lists
+what it left out; what already runs finishes (a lab, or the kernel check: a cell cut short would
+read as a failure), so leave a 10-minute command a few minutes beyond it.
 
 Seen on an H100 (2026-11-26): all 12 labs in quick mode with --jobs 4 in about 140 s (7 of them with
 --jobs 7: 82 s); the kernel check about 140 s (on 16 cores; it compiles for three targets); full
@@ -225,8 +225,10 @@ def score_notebook(nb) -> tuple[list[Cell], dict[str, str]]:
     return cells, errors
 
 
-def run_lab(lab: str, mode: str, timeout: int, keep: Path | None = None, labs_dir: Path = LABS) -> LabRun:
-    """Execute a lab's source in `mode` in a fresh kernel (cwd: the lab's folder); score it."""
+def run_lab(lab: str, mode: str, timeout: int, keep: Path | None = None, labs_dir: Path = LABS,
+            threads: int | None = None) -> LabRun:
+    """Execute a lab's source in `mode` in a fresh kernel (cwd: the lab's folder); score it. `threads`:
+    the kernel's CPU threads (OMP_NUM_THREADS), for a lab that shares the machine with others."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
@@ -239,6 +241,8 @@ def run_lab(lab: str, mode: str, timeout: int, keep: Path | None = None, labs_di
         env = {**os.environ, **OPTIONAL_ON, "COURSE_QUICK": "1" if mode == "quick" else "0", "COURSE_MEASUREMENTS": str(log),
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
         env.pop("TRITON_INTERPRET", None)                     # a GPU compiles its kernels
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                                 resources={"metadata": {"path": str(path.parent)}})
         start = time.perf_counter()
@@ -378,11 +382,11 @@ def write_report(path: Path, facts: dict, runs: list[LabRun], steps: list[Step],
 
 def _run_lab_job(job: tuple) -> LabRun | None:
     """run_lab in a worker process (spawned: the parent has touched CUDA); None when the wall-clock
-    `stop_at` (time.time(), or None) passed before it could start."""
-    lab, mode, timeout, keep, stop_at = job
+    `stop_at` (time.time(), or None) passed before it could start; `threads`: its share of the CPU cores."""
+    lab, mode, timeout, keep, stop_at, threads = job
     if stop_at is not None and time.time() >= stop_at:
         return None
-    return run_lab(lab, mode, timeout, keep)
+    return run_lab(lab, mode, timeout, keep, threads=threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
 
         stop_at = None if args.deadline is None else time.time() + left()
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for lab, r in zip(labs, pool.map(_run_lab_job, [(lab, mode, args.timeout, args.keep, stop_at) for lab in labs])):
+            share = max(1, (os.cpu_count() or 1) // jobs)    # each lab its share of the cores, not all of them each
+            for lab, r in zip(labs, pool.map(_run_lab_job, [(lab, mode, args.timeout, args.keep, stop_at, share)
+                                                            for lab in labs])):
                 done(r, lab, mode)
     for name, wanted, run in (("CUDA under the grading limits", True, grading_cuda_check),
                               ("Triton kernels compiled", not args.no_kernels, lambda: run_kernel_checks(timeout=1800)),

@@ -29,18 +29,21 @@ def test_scoring_follows_nbgrader_errors_and_stderr_score_zero():
     assert errors == {"bad": "AssertionError: no"} and "stderr" in cells[2].why
 
 
-def test_a_lab_run_collects_scores_and_measurements(tmp_path):
+def test_a_lab_run_collects_scores_and_measurements(tmp_path, monkeypatch):
     authoring.write_notebook(tmp_path / "00_tiny" / "00_tiny.ipynb", [
         authoring.locked("setup", "import course\nenv = course.setup(verbose=False)"),
         authoring.solution("f", "def f():\n    ### BEGIN SOLUTION\n    return 2\n    ### END SOLUTION"),
         authoring.tests("f_tests", 1, "assert f() == 2, 'f() is 2'"),
         authoring.code("from course.report import record\nrecord('twice', 2 * f(), 'x', 'f doubles', device=env.device)\n"
-                       "import os\nrecord('optional_on', os.environ.get('COURSE_HF_COMPILE') == '1', '', 'the proof turns it on')"),
+                       "import os\nrecord('optional_on', os.environ.get('COURSE_HF_COMPILE') == '1', '', 'the proof turns it on')\n"
+                       "import torch\nrecord('threads', torch.get_num_threads(), '', 'its share of the cores')"),
     ])
-    run = run_lab("00_tiny", "quick", timeout=120, labs_dir=tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    run = run_lab("00_tiny", "quick", timeout=120, labs_dir=tmp_path, threads=1)      # a lab sharing the machine
     assert run.ok and run.score == 1, (run.failure, run.errors, run.cells)
     assert run.measurements == [{"key": "twice", "value": 4.0, "unit": "x", "claim": "f doubles", "device": "cpu"},
-                                {"key": "optional_on", "value": 1.0, "unit": "", "claim": "the proof turns it on"}]
+                                {"key": "optional_on", "value": 1.0, "unit": "", "claim": "the proof turns it on"},
+                                {"key": "threads", "value": 1.0, "unit": "", "claim": "its share of the cores"}]
 
 
 def test_report_shows_failures_times_and_claims(tmp_path):
@@ -126,7 +129,7 @@ def test_a_quick_job_past_its_wall_clock_stop_does_not_start():
     import time
 
     from autograder.gpu_check import _run_lab_job
-    assert _run_lab_job(("01_inference", "quick", 900, None, time.time() - 1)) is None
+    assert _run_lab_job(("01_inference", "quick", 900, None, time.time() - 1, 4)) is None
 
 
 def test_the_grading_cuda_check_fails_on_a_machine_where_cuda_cannot_start():
