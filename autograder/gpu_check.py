@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[LabRun] = []
     steps: list[Step] = []
     left_out: list[str] = []
-    jobs = min(args.jobs, len(labs))
+    jobs = max(1, min(args.jobs, len(labs)))
     report = lambda: write_report(args.out, facts, runs, steps, left_out)
 
     def done(r: LabRun | None, lab: str, mode: str) -> None:

@@ -171,3 +171,16 @@ def test_labs_that_shared_the_gpu_give_an_upper_bound_of_time_and_no_target(tmp_
     alone = _full("02_prefill_decode", graph_speedup=12.0)
     verdicts = {(t.lab, t.key): v for t, *_, v in target_rows([shared, alone])}
     assert verdicts["02_prefill_decode", "graph_speedup"] == "met", "the lone run decides"
+
+
+def test_no_labs_to_run_with_jobs_is_not_an_error(tmp_path, monkeypatch):
+    """--labs with nothing in it and --jobs 4: no pool of zero workers, just the steps and a report."""
+    import torch
+
+    from autograder import gpu_check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "device_facts", lambda: {"device": "a fake GPU"})
+    monkeypatch.setattr(gpu_check, "grading_cuda_check", lambda: Step("CUDA under the grading limits", "passed"))
+    out = tmp_path / "r.md"
+    assert gpu_check.main(["--labs", "--jobs", "4", "--no-kernels", "--no-class", "--out", str(out)]) == 0
+    assert "**CUDA under the grading limits**: passed" in out.read_text()
