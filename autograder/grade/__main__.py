@@ -29,7 +29,8 @@ def parse(argv: list[str] | None = None) -> Config:
     p.add_argument("--gpu", action="store_true", help="give the sandbox the NVIDIA devices (GPU machines)")
     p.add_argument("--timeout", type=int, default=0, help="seconds per cell (default: nbgrader_config.py)")
     p.add_argument("--budget", type=int, default=d.budget, help="seconds per notebook, and its CPU-time limit")
-    p.add_argument("--memory", type=float, default=d.memory_gib, help="GiB per kernel: of address space, or with --gpu of private memory (CUDA reserves more address space than it uses)")
+    p.add_argument("--memory", type=float, default=d.memory_gib, help="GiB per kernel: of address space, or with --gpu of private memory "
+                        "(CUDA reserves more address space than it uses)")
     p.add_argument("--full", action="store_true", help="COURSE_QUICK=0: demo workloads at full size")
     p.add_argument("--submitted", type=Path, default=d.submitted)
     p.add_argument("--autograded", type=Path, default=d.autograded)

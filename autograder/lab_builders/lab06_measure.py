@@ -244,7 +244,8 @@ else:
             seconds = bench_replayed(lambda *a: paged_attention_split(*a, split_len=split_len), *paged) * 1e-3
             gbs, frac = bandwidth(seconds, nbytes, peak.bytes_per_s)
             programs = batch * Hkv * -(-ctx // split_len)
-            print(f"  split_len {split_len:5d}: {programs:5d} programs {seconds * 1e6:7.1f} us = {frac:4.0%} of the roofline"
+            print(f"  split_len {split_len:5d}: {programs:5d} programs {seconds * 1e6:7.1f} us = {gbs:6.0f} GB/s = "
+                  f"{frac:4.0%} of the roofline"
                   + ("   < the launcher's choice" if split_len == chosen else ""))
             best = min(best or (seconds, split_len, frac), (seconds, split_len, frac))
         print(f"  fastest: split_len {best[1]} at {best[2]:.0%} of the roofline")

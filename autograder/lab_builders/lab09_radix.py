@@ -401,11 +401,12 @@ md(r"""
 ### When what is left fits a CUDA graph
 
 Read the two times above against lab 02. On a CPU a prefill's time grows with its tokens, on top of
-a fixed cost per pass: skipping most of the tokens saves much of the time, but less than their share. On a GPU this model's forward pass is launch-bound: a prefill
-of a dozen tokens launches the same thousand kernels as one of a few hundred, and costs about as
-much. The cache saved the work, but not yet the time. (On the H100 we tried, without the untimed
-first pass over the questions, this ratio came out at 1.0x in one run and 0.5x in another: a first
-pass at a new size can include loading its kernels.)
+a fixed cost per pass: skipping most of the tokens saves much of the time, but less than their
+share. On a GPU this model's forward pass is launch-bound: a prefill of a dozen tokens launches the
+same thousand kernels as one of a few hundred, and costs about as much. The cache saved the work,
+but not yet the time. (On the H100 we tried, without the untimed first pass over the questions, this
+ratio came out at 1.0x in one run and 0.5x in another: a first pass at a new size can include
+loading its kernels.)
 
 What the cache does change is the **size** of what is left: the question alone, a few dozen tokens,
 every time. Engines replay passes of small, fixed sizes from CUDA graphs: vLLM captures passes of up
@@ -467,10 +468,11 @@ record("prefix_cache_ttft_speedup_graph", slot_times["no cache"] / slot_times[gr
 '''),
 md(r"""
 Read the three lines. On a CPU the eager line beats the whole prompt, though by less than the share
-of the prompt the cache holds: each pass keeps its fixed cost. The graph line does worse than the eager one: it computes `W` tokens, not
-just the question's, and the stand-in saves no launches (a CPU has none to save). On a GPU the eager
-line comes out close to the whole prompt's, or even below it, and the graph line shows what
-the saved tokens are worth once the launches are gone: there, prefix caching pays through the graph.
+of the prompt the cache holds: each pass keeps its fixed cost. The graph line does worse than the
+eager one: it computes `W` tokens, not just the question's, and the stand-in saves no launches (a
+CPU has none to save). On a GPU the eager line comes out close to the whole prompt's, or even below
+it, and the graph line shows what the saved tokens are worth once the launches are gone: there,
+prefix caching pays through the graph.
 """),
 md(r"""
 ### A multi-turn chat
