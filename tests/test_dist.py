@@ -122,8 +122,8 @@ def test_thread_all_reduce_sums_identically_and_counts():
 def test_thread_send_recv_in_order_with_isend_and_counter():
     def fn(comm):
         if comm.rank == 0:
+            comm.counter("done", 1)           # before the sends: rank 1 reads it after its receives, never too early
             works = [comm.isend(torch.tensor([float(i)]), 1) for i in range(3)]
-            comm.counter("done", 1)
             for w in works:
                 w.wait()
             return comm.stats.sends, comm.stats.bytes_sent
