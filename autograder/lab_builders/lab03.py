@@ -919,7 +919,10 @@ they can part after a near-tie. The work per token is what differs.
 On a GPU a third loop runs beside them: the same cache the way engines run it, with its decode
 step captured in a CUDA graph (lab 02). `course.engine.graphs.GreedyEngine` preallocates the cache
 (lab 04's slot cache: room for `max_len` tokens, no `torch.cat`), runs the prompt eagerly, then
-replays one captured decode step per token. It needs a GPU to be worth timing: on a CPU its graph is
+replays one captured decode step per token. Its step also launches fewer kernels than yours: one
+matmul for q, k and v together and one for gate and up (their weights stacked; they read the same
+input), q and k rotated together, GQA without repeating K/V, the mask built once per step and not
+once per layer (`course/engine/runner.py`). It needs a GPU to be worth timing: on a CPU its graph is
 lab 02's stand-in, which saves nothing.
 """),
 code(r"""
@@ -1010,7 +1013,7 @@ one token. Whether that compute was what took the time depends on your machine:
   step over a few hundred launch the same thousand kernels, and lab 02 showed that the launches are
   the step. The saving is real but hidden. Capture the decode step in a CUDA graph and it appears:
   the green line, several times faster than no cache (your line "with the decode step in a CUDA
-  graph" says how many). What is left of each graph step is a thousand tiny kernels, still far
+  graph" says how many). What is left of each graph step is hundreds of tiny kernels, still far
   above the roofline.
 
 The cache removes compute that grows with the **square** of the length, and pays with memory that
@@ -1087,9 +1090,10 @@ that graph's launches in, and the speed shows it. Skips have the cause you met i
 replays fixed addresses. Compile the whole forward yourself (`model.forward = torch.compile(...)`,
 the recipe older guides give) and the prefill runs compiled too, so the static cache is allocated
 inside the compiler, is never marked as a fixed address, and the graphs that write into it are
-skipped. On the H100 we tried, that recipe reached 74 tokens/s, HF's eager generate 44, the course
-engine 298. The course's engine takes a plainer road: a CUDA graph over a preallocated cache, no compiler.
-Labs 04-06 build their engines on the graph path.
+skipped. On the H100 we tried, that recipe reached 74 tokens/s and HF's eager generate 44. The
+course's engine takes a plainer road: no compiler, a CUDA graph over a preallocated cache, and fewer
+kernels per step by hand. Your lines above say where it stands against both. Labs 04-06 build their
+engines on the graph path.
 
 ## Summary
 

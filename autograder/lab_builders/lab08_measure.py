@@ -46,7 +46,7 @@ machine are noisy: rerun the cell if a number looks odd.
 
 On a GPU the cell first turns on CUDA graphs for every cache the generators get (lab 02): the
 target's verify pass ($\gamma + 1$ tokens, or 1 when the drafter had nothing), the draft's passes
-and the plain decoding baseline each replay a captured graph instead of launching about a thousand
+and the plain decoding baseline each replay a captured graph instead of launching hundreds of
 kernels one by one. It then reruns the plain baseline and the best drafter without graphs, so you see
 what launch overhead does to speculative decoding. On a CPU every pass runs eagerly: a CPU has no
 launches to remove.

@@ -403,10 +403,10 @@ md(r"""
 Read the two times above against lab 02. On a CPU a prefill's time grows with its tokens, on top of
 a fixed cost per pass: skipping most of the tokens saves much of the time, but less than their
 share. On a GPU this model's forward pass is launch-bound: a prefill of a dozen tokens launches the
-same thousand kernels as one of a few hundred, and costs about as much. The cache saved the work,
-but not yet the time. (On the H100 we tried, without the untimed first pass over the questions, this
-ratio came out at 1.0x in one run and 0.5x in another: a first pass at a new size can include
-loading its kernels.)
+same kernels as one of a few hundred, and costs about as much. The cache saved the work, but not
+yet the time. (On the H100 we tried, without the untimed first pass over the questions, this ratio
+came out at 1.0x in one run and 0.5x in another: a first pass at a new size can include loading its
+kernels.)
 
 What the cache does change is the **size** of what is left: the question alone, a few dozen tokens,
 every time. Engines replay passes of small, fixed sizes from CUDA graphs: vLLM captures passes of up

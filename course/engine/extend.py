@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from course.engine.paged import PagedKVCache
 from course.engine.paged_ops import paged_attention, write_kv
-from course.engine.runner import embed, project_qkv
+from course.engine.runner import embed, mlp, project_qkv
 from course.models.decoder import Decoder
 
 
@@ -70,7 +70,7 @@ def forward_extend(model: Decoder, cache: PagedKVCache, input_ids: torch.Tensor,
             out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=masks.get(s), is_causal=s not in masks)
             y[a:a + q_lens[s]] = out.transpose(0, 1)                         # (q, H, D)
         x = x + block.attn.o_proj(y.reshape(1, N, H * D))                   # (1, N, C)
-        x = x + block.mlp(block.mlp_norm(x))
+        x = x + mlp(block, x)
     last = torch.tensor([a + q - 1 for a, q in zip(starts, q_lens)], device=x.device)
     return model.lm_head(model.norm(x[0, last]))                             # (S, V)
 

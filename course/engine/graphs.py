@@ -33,6 +33,9 @@ padded up to its bucket by repeating its first row (same token, same slot, same 
 pads change nothing). Prefill, other shapes and batches beyond the largest bucket run eagerly.
 `capture_decode_graphs(model, cache, ...)` attaches one to a cache, and `forward_cached` /
 `forward_paged` then replay it for every decode call on that cache: same calls, same tokens.
+A graph removes the launches but not the kernels, so the step launches few (runner.py): one matmul
+for q, k and v and one for gate and up (weights stacked, fused.py), q and k rotated together, GQA
+without repeating K/V, and the attention mask built once per step instead of once per layer.
 """
 from __future__ import annotations
 
@@ -45,8 +48,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from course.engine import paged_ops
+from course.engine.fused import stack_model
 from course.engine.paged import PagedKVCache, forward_paged_eager
-from course.engine.runner import embed, forward_cached_eager, project_qkv
+from course.engine.runner import attend, embed, forward_cached_eager, mask_bias, mlp, project_qkv
 from course.engine.slot_cache import SlotKVCache
 from course.models.decoder import Decoder
 
@@ -237,22 +241,21 @@ def _slot_decode(model: Decoder, cache: SlotKVCache, ids, pos, slots, src) -> to
     the same values into the same places)."""
     cfg = model.cfg
     (B, T), L = ids.shape, cache.max_len
-    H, D = cfg.n_head, cfg.head_dim
     start = cache.lengths[slots].clamp(max=L - T)                         # (B,): slot position of the first new token
     at = start[:, None] + torch.arange(T, device=ids.device)              # (B, T): slot positions of the new tokens
     cache.valid.index_put_((slots[:, None].expand(B, T), at), torch.ones_like(at, dtype=torch.bool))
     j = torch.arange(L, device=ids.device)
-    seen = ((j <= at[..., None]) & cache.valid[slots][:, None, :])[:, None]  # (B, 1, T, L)
+    seen = (j <= at[..., None]) & cache.valid[slots][:, None, :]          # (B, T, L)
     x, rope = embed(model, ids, pos)                                      # (B, T, C)
+    bias = mask_bias(seen, cfg.group_size, x.dtype)                       # (B, 1, G*T, L)
     for i, block in enumerate(model.blocks):
         q, k, v = project_qkv(model, block, x, rope)                      # (B, H, T, D), (B, Hkv, T, D) x 2
         cache.k[i][slots[:, None], :, at] = k.transpose(1, 2)[src].to(cache.k.dtype)   # (B, T, Hkv, D)
         cache.v[i][slots[:, None], :, at] = v.transpose(1, 2)[src].to(cache.v.dtype)
-        keys = cache.k[i][slots].to(q.dtype).repeat_interleave(cfg.group_size, dim=1)    # (B, H, L, D)
-        values = cache.v[i][slots].to(q.dtype).repeat_interleave(cfg.group_size, dim=1)  # (B, H, L, D)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen)  # (B, H, T, D)
-        x = x + block.attn.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
-        x = x + block.mlp(block.mlp_norm(x))
+        keys = cache.k[i][slots].to(q.dtype)                              # (B, Hkv, L, D)
+        values = cache.v[i][slots].to(q.dtype)
+        x = x + block.attn.o_proj(attend(q, keys, values, bias))          # (B, T, C)
+        x = x + mlp(block, x)
     cache.lengths[slots] = start + T
     return model.lm_head(model.norm(x))                                   # (B, T, V)
 
@@ -278,7 +281,7 @@ def _paged_decode(model: Decoder, cache: PagedKVCache, ids, pos, slot_mapping, b
         write_kv(k_cache, v_cache, k[:, :, 0][src].to(k_cache.dtype), v[:, :, 0][src].to(v_cache.dtype), slot_mapping)
         y = attention(q[:, :, 0].contiguous(), k_cache, v_cache, block_tables, context_lens, scale)  # (B, H, D)
         x = x + block.attn.o_proj(y.to(q.dtype).reshape(B, 1, H * D))
-        x = x + block.mlp(block.mlp_norm(x))
+        x = x + mlp(block, x)
     return model.lm_head(model.norm(x))                                   # (B, 1, V)
 
 
@@ -305,6 +308,8 @@ class _BucketGraphs:
 
     def _capture_all(self, step_for: Callable[[int], Callable]) -> None:
         pool = None
+        with torch.no_grad():
+            stack_model(self.model)           # one-off copies stay out of the graphs
         try:
             for bs in reversed(self.buckets):
                 g = StepGraph(self.device, pool=pool)

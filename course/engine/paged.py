@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from course.models.config import ModelConfig
-from course.engine.runner import embed, project_qkv
+from course.engine.runner import embed, mlp, project_qkv
 from course.models.decoder import Decoder, check_ids
 
 
@@ -139,5 +139,5 @@ def forward_paged_eager(model: Decoder, input_ids: torch.Tensor, position_ids: t
             y = attention(q[:, :, 0].contiguous(), k_cache, v_cache, block_tables, context_lens, scale)  # (B, H, D)
             y = y.to(q.dtype)[:, :, None]                                 # (B, H, 1, D)
         x = x + attn.o_proj(y.transpose(1, 2).reshape(B, T, H * D))      # (B, T, C)
-        x = x + block.mlp(block.mlp_norm(x))
+        x = x + mlp(block, x)
     return model.lm_head(model.norm(x))                                   # (B, T, V)

@@ -1,10 +1,11 @@
 """`forward_cached`: the from-scratch `Decoder`, run over a `SlotKVCache`, for a batch of rows
 that may each sit in a different slot at a different length.
 
-It reuses the model's own modules (embeddings, norms, projections, MLPs) layer by layer; only
-attention changes: new keys and values go into the cache first, then every query attends to the
-keys of its own slot. Row b writes its T new tokens at positions lengths[slot] .. lengths[slot] + T
-of its slot, and its query t (at slot position p = lengths[slot] + t) may see slot position j when
+It reuses the model's own modules (embeddings, norms, projections, MLPs) layer by layer, with one
+matmul where the model has several on the same input (q, k and v; gate and up: fused.py). Attention
+changes: new keys and values go into the cache first, then every query attends to the keys of its
+own slot. Row b writes its T new tokens at positions lengths[slot] .. lengths[slot] + T of its slot,
+and its query t (at slot position p = lengths[slot] + t) may see slot position j when
 
     j <= p  (causal)   and   (j holds a real token  or  j == p).
 
@@ -17,8 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from course.engine.fused import stacked
 from course.engine.slot_cache import SlotKVCache
-from course.models.decoder import Decoder, apply_rope, check_ids, rope_cos_sin
+from course.models.decoder import MLP, Decoder, apply_rope, check_ids, rope_cos_sin
 
 
 @torch.no_grad()
@@ -44,7 +46,6 @@ def forward_cached_eager(model: Decoder, input_ids: torch.Tensor, position_ids: 
     """forward_cached, op by op (no graph): what every call does when the cache has no graphs."""
     cfg = model.cfg
     B, T, start = _check(model, input_ids, position_ids, cache, slots, attention_mask)
-    H, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
     slots = slots.to(cache.device, torch.long)
     real = torch.ones(B, T, dtype=torch.bool, device=cache.device) if attention_mask is None \
         else attention_mask.to(cache.device).bool()
@@ -53,11 +54,10 @@ def forward_cached_eager(model: Decoder, input_ids: torch.Tensor, position_ids: 
     L = int(pos.max()) + 1                                                # attend over slot positions 0 .. L-1 only
     j = torch.arange(L, device=cache.device)
     seen = (j <= pos[..., None]) & (cache.valid[slots, None, :L] | (j == pos[..., None]))  # (B, T, L)
-    seen = seen[:, None]                                                  # (B, 1, T, L): same for every head
 
     x, rope = embed(model, input_ids, position_ids)                       # (B, T, C)
+    bias = mask_bias(seen, cfg.group_size, x.dtype)                       # (B, 1, G*T, L): built once, read by every layer
     for i, block in enumerate(model.blocks):
-        attn = block.attn
         q, k, v = project_qkv(model, block, x, rope)                      # (B, H, T, D), (B, Hkv, T, D) x 2
         # write: cache.k[i] is (n_slots, Hkv, max_len, D); indexing slot and position gives (B, T, Hkv, D)
         cache.k[i][slots[:, None], :, pos] = k.transpose(1, 2).to(cache.k.dtype)
@@ -65,11 +65,8 @@ def forward_cached_eager(model: Decoder, input_ids: torch.Tensor, position_ids: 
         # read: every row's whole slot so far, new tokens included
         keys = cache.k[i][slots, :, :L].to(q.dtype)                      # (B, Hkv, L, D)
         values = cache.v[i][slots, :, :L].to(q.dtype)                    # (B, Hkv, L, D)
-        keys = keys.repeat_interleave(cfg.group_size, dim=1)             # (B, H, L, D): GQA
-        values = values.repeat_interleave(cfg.group_size, dim=1)         # (B, H, L, D)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen)  # (B, H, T, D)
-        x = x + attn.o_proj(y.transpose(1, 2).reshape(B, T, H * D))      # (B, T, C)
-        x = x + block.mlp(block.mlp_norm(x))
+        x = x + block.attn.o_proj(attend(q, keys, values, bias))         # (B, T, C)
+        x = x + mlp(block, x)
     cache.lengths[slots] += T
     return model.lm_head(model.norm(x))                                   # (B, T, V)
 
@@ -121,9 +118,48 @@ def project_qkv(model: Decoder, block, x: torch.Tensor, rope):
     B, T, _ = x.shape
     H, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
     h = block.attn_norm(x)
-    q = attn.q_proj(h).view(B, T, H, D).transpose(1, 2)                   # (B, H, T, D)
-    k = attn.k_proj(h).view(B, T, Hkv, D).transpose(1, 2)                 # (B, Hkv, T, D)
-    v = attn.v_proj(h).view(B, T, Hkv, D).transpose(1, 2)                 # (B, Hkv, T, D)
-    if rope is not None:
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    return q, k, v
+    qkv = stacked((attn.q_proj, attn.k_proj, attn.v_proj))                # one matmul for all three, if it can
+    if qkv is not None:
+        qkv = F.linear(h, *qkv).view(B, T, H + 2 * Hkv, D)                # (B, T, H + 2 Hkv, D)
+        qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
+    else:
+        qk = torch.cat([attn.q_proj(h).view(B, T, H, D), attn.k_proj(h).view(B, T, Hkv, D)], dim=2)
+        v = attn.v_proj(h).view(B, T, Hkv, D)
+    qk, v = qk.transpose(1, 2), v.transpose(1, 2)                         # (B, H + Hkv, T, D), (B, Hkv, T, D)
+    if rope is not None:                                                  # q and k turn by the same angles:
+        qk = apply_rope(qk, *rope)                                        # one set of kernels for both
+    return qk[:, :H], qk[:, H:], v
+
+
+def mlp(block, x: torch.Tensor) -> torch.Tensor:
+    """block.mlp(block.mlp_norm(x)), with Llama's gate and up computed by one matmul when they can be."""
+    h = block.mlp_norm(x)
+    m = block.mlp
+    gate_up = stacked((m.gate_proj, m.up_proj)) if type(m) is MLP and m.family == "llama" else None
+    if gate_up is None:
+        return m(h)
+    gate, up = F.linear(h, *gate_up).chunk(2, dim=-1)                     # (B, T, d_ff) each
+    return m.down_proj(F.silu(gate) * up)
+
+
+def mask_bias(seen: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mask `attend` takes, built once per forward: seen (B, T, L) bool -> (B, 1, group*T, L) in
+    `dtype`, 0 where a query may look and -inf where not, row g*T + t for query t of the g-th head of
+    every group. Handing attention this bias, rather than a boolean mask, spares every layer the
+    conversion; its rows are laid out 16 elements apart, the alignment PyTorch's fused attention
+    kernels need to read it in place instead of copying it."""
+    B, T, L = seen.shape
+    padded = -(-L // 16) * 16
+    bias = torch.full((B, group * T, padded), float("-inf"), dtype=dtype, device=seen.device)
+    bias[..., :L].masked_fill_(seen.repeat(1, group, 1), 0.0)
+    return bias[:, None, :, :L]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Attention of queries q (B, H, T, D) over keys and values (B, Hkv, L, D) with `mask_bias`'s bias;
+    returns (B, T, H * D), ready for o_proj. GQA without copying K/V: the G query heads that share a
+    KV head become G x T query rows of that head, so each KV head is read once, not repeated G times."""
+    B, H, T, D = q.shape
+    Hkv = keys.shape[1]
+    y = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv * T, D), keys, values, attn_mask=bias)
+    return y.view(B, Hkv, H // Hkv, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)   # head h = kv * G + g
