@@ -75,6 +75,12 @@ def test_what_cannot_be_stacked_runs_module_by_module():
         project_qkv(m, block, x, None)
     assert calls == [(1, 4, 16)]
     handle.remove()
+    passes = []
+    handle = block.mlp.register_forward_hook(lambda *args: passes.append(1))
+    with torch.no_grad():
+        mlp(block, x)
+    assert passes == [1], "a hook on the MLP (lab 08 counts passes with one) must still run"
+    handle.remove()
 
     class Scaled(nn.Linear):                                          # a subclass may compute anything
         def forward(self, x):

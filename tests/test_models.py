@@ -45,6 +45,24 @@ def test_logits_match_transformers(make):
     assert diff < 1e-4, f"logits differ from transformers by {diff}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_in_half_precision_rounds_like_transformers(dtype):
+    """One fused call on x as it is (no cast to float32 and back around it): PyTorch computes in
+    float32 inside and rounds once, so the result is transformers' bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from course.models.decoder import RMSNorm
+
+    theirs, ours = LlamaRMSNorm(64, eps=1e-5), RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        w = 1 + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(2))
+        theirs.weight.copy_(w)
+        ours.weight.copy_(w)
+    x = (3 * torch.randn(4, 9, 64, generator=torch.Generator().manual_seed(3))).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ours.to(dtype)(x), theirs.to(dtype)(x))
+
+
 def test_positions_matter():
     """Position ids are really used. RoPE only sees distances between tokens, so a constant shift
     leaves Llama's output unchanged while learned absolute positions (GPT-2) change it; spreading

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
+from torch.nn.modules import module as _module
 
-__all__ = ["stacked", "stack_model"]
+__all__ = ["stacked", "stack_model", "unhooked"]
 
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # first module -> (layout, weight, bias)
 
@@ -31,10 +32,17 @@ def _layout(linears: Sequence[nn.Module]) -> tuple:
                   None if m.bias is None else m.bias.data_ptr()) for m in linears)
 
 
+def unhooked(m: nn.Module) -> bool:
+    """Nothing but the module's own forward runs when it is called: no hook on it or on every module,
+    no forward of its own set on the instance. Code that computes what the module computes, by
+    other means, may then skip calling it; otherwise it must call it (a hook may count passes)."""
+    return not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+                or _module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
 def _plain(m: nn.Module) -> bool:
     """A bare nn.Linear: calling it is exactly F.linear with its weight and bias, nothing to bypass."""
-    return (type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
-            and "forward" not in m.__dict__)
+    return type(m) is nn.Linear and unhooked(m)
 
 
 def stacked(linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from course.engine.fused import stacked
+from course.engine.fused import stacked, unhooked
 from course.engine.slot_cache import SlotKVCache
 from course.models.decoder import MLP, Decoder, apply_rope, check_ids, rope_cos_sin
 
@@ -135,7 +135,7 @@ def mlp(block, x: torch.Tensor) -> torch.Tensor:
     """block.mlp(block.mlp_norm(x)), with Llama's gate and up computed by one matmul when they can be."""
     h = block.mlp_norm(x)
     m = block.mlp
-    gate_up = stacked((m.gate_proj, m.up_proj)) if type(m) is MLP and m.family == "llama" else None
+    gate_up = stacked((m.gate_proj, m.up_proj)) if type(m) is MLP and m.family == "llama" and unhooked(m) else None
     if gate_up is None:
         return m(h)
     gate, up = F.linear(h, *gate_up).chunk(2, dim=-1)                     # (B, T, d_ff) each

@@ -46,9 +46,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x / sqrt(mean(x^2) + eps) in float32: one call of a fused op instead of five ops written out
-        x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * x32.to(x.dtype)
+        # x / sqrt(mean(x^2) + eps): one call of a fused op instead of five ops written out. PyTorch
+        # computes it in float32 whatever x's dtype and rounds the result once, to x's dtype.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
