@@ -4,10 +4,12 @@ GPU work is asynchronous: a kernel launch returns before the GPU finishes, so a 
 synchronizing measures the launch, not the work. The first call of anything pays one-time costs
 (allocator, kernel compilation, caches), so we warm up first. Machines are noisy, so we report the
 median of several runs. `profile_step` shows where one step's time goes (how many ops or kernels,
-how long the device was busy), and `launch_cost` what handing out one op costs the host.
+how long the device was busy), `launch_cost` what handing out one op costs the host, and
+`count_ops` how many of a call's ops compute something (the same count on every device).
 """
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 from contextlib import contextmanager
@@ -204,3 +206,29 @@ def launch_cost(device: str | torch.device | None = None, n: int = 200, repeats:
             x.add_(1)
 
     return benchmark(burst, warmup=1, repeats=repeats, device=device).median / n
+
+
+def count_ops(fn: Callable[[], object]) -> collections.Counter:
+    """The ATen ops one call of `fn` runs that compute something, by name: each writes memory, in
+    place or into a new tensor, and is a kernel (or more) on a GPU. Views (`view`, `transpose`,
+    slicing), which only relabel memory, are left out. Unlike a profile, the count is the same on
+    every run and, for ops that are one kernel on a GPU, the same on every device; a composite op
+    counts as the ops it runs on this device (a CPU's RMSNorm is five, a GPU's one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            schema = func._schema
+            writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+            view = func.overloadpacket.__name__ == "_unsafe_view" or any(r.alias_info is not None for r in schema.returns)
+            if writes or not view:                     # (_unsafe_view is a view its schema does not mark)
+                self.counts[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Counter() as counter:
+        fn()
+    return counter.counts

@@ -8,7 +8,7 @@ import torch
 
 import course
 from course.environment import Environment
-from course.timing import Timing, TokenTimer, benchmark
+from course.timing import Timing, TokenTimer, benchmark, count_ops
 
 
 def test_setup_seeds_every_rng_and_prints_one_line(capsys, monkeypatch):
@@ -58,6 +58,15 @@ def test_benchmark_warms_up_then_takes_the_median():
     assert Timing([3.0, 1.0, 2.0]).median == 2.0
     with pytest.raises(ValueError, match="repeats"):
         benchmark(lambda: None, repeats=0)
+
+
+def test_count_ops_counts_what_computes_and_not_views():
+    x, w = torch.ones(2, 3, 4), torch.ones(5, 4)
+    got = count_ops(lambda: (x.transpose(0, 1)[:, :1].reshape(-1, 4) * 2).sum())
+    assert got == {"mul": 1, "sum": 1}, got
+    got = count_ops(lambda: (x.add_(1), torch.nn.functional.linear(x, w)))
+    assert got == {"add_": 1, "mm": 1}, f"in place counts, a matmul counts, its reshapes do not: {got}"
+    assert count_ops(lambda: x.contiguous().view(6, 4)) == {}, "a contiguous tensor is not copied"
 
 
 def test_token_timer_records_one_time_per_generated_token():

@@ -919,11 +919,35 @@ they can part after a near-tie. The work per token is what differs.
 On a GPU a third loop runs beside them: the same cache the way engines run it, with its decode
 step captured in a CUDA graph (lab 02). `course.engine.graphs.GreedyEngine` preallocates the cache
 (lab 04's slot cache: room for `max_len` tokens, no `torch.cat`), runs the prompt eagerly, then
-replays one captured decode step per token. Its step also launches fewer kernels than yours: one
-matmul for q, k and v together and one for gate and up (their weights stacked; they read the same
-input), q and k rotated together, GQA without repeating K/V, the mask built once per step and not
-once per layer (`course/engine/runner.py`). It needs a GPU to be worth timing: on a CPU its graph is
-lab 02's stand-in, which saves nothing.
+replays one captured decode step per token. Its step also runs fewer ops than yours: one matmul for
+q, k and v together and one for gate and up (their weights stacked; they read the same input), q and
+k rotated together, GQA without repeating K/V, the mask built once per step and not once per layer
+(`course/engine/runner.py`). It pays for its preallocated cache with a write and a read by index
+(`index_put_`, `index`) where yours concatenates (`cat`). Count them first:
+`course.timing.count_ops` runs one decode step of each and counts the ops that compute something
+(each at least one kernel on a GPU; views, which only relabel memory, cost none). Then time the
+loops. The engine needs a GPU to be worth timing: on a CPU its graph is lab 02's stand-in, which
+saves nothing.
+"""),
+code(r"""
+from course.engine import SlotKVCache
+from course.engine.runner import forward_cached_eager
+from course.timing import count_ops
+
+one, at = prompt_ids[:, -1:], torch.full((1, 1), T0, device=env.device)     # one new token, after the prompt
+with torch.no_grad():
+    _, prompt_cache = cmodel(prompt_ids, torch.arange(T0, device=env.device)[None])
+    slot_cache = SlotKVCache(cfg, n_slots=1, max_len=T0 + 1, dtype=model.dtype, device=env.device)
+    slot = torch.zeros(1, dtype=torch.long, device=env.device)
+    forward_cached_eager(model, prompt_ids, torch.arange(T0, device=env.device)[None], slot_cache, slot)
+yours = count_ops(lambda: cmodel(one, at, prompt_cache))
+engines = count_ops(lambda: forward_cached_eager(model, one, at, slot_cache, slot))
+n_yours, n_engine = sum(yours.values()), sum(engines.values())
+print(f"one decode step ({env.device}): your cache runs {n_yours} ops that compute, the engine's {n_engine} "
+      f"({n_engine / n_yours:.0%} of yours)")
+for name in sorted(set(yours) | set(engines), key=lambda n: engines[n] - yours[n]):
+    if abs(engines[name] - yours[name]) >= cfg.n_layer:                     # what differs in every layer
+        print(f"  {name:20} yours {yours[name]:4}   engine {engines[name]:4}")
 """),
 code(r"""
 from course.engine.graphs import GreedyEngine
