@@ -146,8 +146,8 @@ def mask_bias(seen: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tenso
     """The mask `attend` takes, built once per forward: seen (B, T, L) bool -> (B, 1, group*T, L) in
     `dtype`, 0 where a query may look and -inf where not, row g*T + t for query t of the g-th head of
     every group. Handing attention this bias, rather than a boolean mask, spares every layer the
-    conversion; its rows are laid out 16 elements apart, the alignment PyTorch's fused attention
-    kernels need to read it in place instead of copying it."""
+    conversion. Its rows lie a multiple of 16 elements apart: PyTorch's memory-efficient attention
+    kernel wants 8, and pads a copy of a mask on every call when they do not."""
     B, T, L = seen.shape
     padded = -(-L // 16) * 16
     bias = torch.full((B, group * T, padded), float("-inf"), dtype=dtype, device=seen.device)
