@@ -208,12 +208,31 @@ def launch_cost(device: str | torch.device | None = None, n: int = 200, repeats:
     return benchmark(burst, warmup=1, repeats=repeats, device=device).median / n
 
 
+def storages(tree) -> set[int]:
+    """The addresses of the memory that the tensors in `tree` (nested lists, tuples, dicts) live in."""
+    from torch.utils._pytree import tree_flatten
+
+    return {t.untyped_storage().data_ptr() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+
+
+def op_writes(func, args: tuple, kwargs: dict, out) -> str | None:
+    """What one ATen op call wrote: "in place" (one of its arguments), "new" (fresh tensors), or None
+    for a view, which only relabels memory it was given (its schema says so, or its output lives
+    in an argument's memory: `_unsafe_view` is a view its schema does not mark)."""
+    schema = func._schema
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "in place"
+    if any(r.alias_info is not None for r in schema.returns) or storages(out) & storages((args, kwargs)):
+        return None
+    return "new"
+
+
 def count_ops(fn: Callable[[], object]) -> collections.Counter:
     """The ATen ops one call of `fn` runs that compute something, by name: each writes memory, in
-    place or into a new tensor, and is a kernel (or more) on a GPU. Views (`view`, `transpose`,
-    slicing), which only relabel memory, are left out. Unlike a profile, the count is the same on
-    every run and, for ops that are one kernel on a GPU, the same on every device; a composite op
-    counts as the ops it runs on this device (a CPU's RMSNorm is five, a GPU's one)."""
+    place or into a new tensor (`op_writes`), and is a kernel (or more) on a GPU. Views (`view`,
+    `transpose`, slicing), which only relabel memory, are left out. Unlike a profile, the count is
+    the same on every run and, for ops that are one kernel on a GPU, the same on every device; a
+    composite op counts as the ops it runs on this device (a CPU's RMSNorm is five, a GPU's one)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):
@@ -222,12 +241,11 @@ def count_ops(fn: Callable[[], object]) -> collections.Counter:
             self.counts: collections.Counter = collections.Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            schema = func._schema
-            writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-            view = func.overloadpacket.__name__ == "_unsafe_view" or any(r.alias_info is not None for r in schema.returns)
-            if writes or not view:                     # (_unsafe_view is a view its schema does not mark)
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if op_writes(func, args, kwargs, out):
                 self.counts[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
+            return out
 
     with torch.no_grad(), Counter() as counter:
         fn()

@@ -1113,11 +1113,11 @@ prints how many graphs were compiled and how many CUDA graphs the compiler skipp
 that graph's launches in, and the speed shows it. Skips have the cause you met in lab 02: a graph
 replays fixed addresses. Compile the whole forward yourself (`model.forward = torch.compile(...)`,
 the recipe older guides give) and the prefill runs compiled too, so the static cache is allocated
-inside the compiler, is never marked as a fixed address, and the graphs that write into it are
-skipped. On the H100 we tried, that recipe reached 74 tokens/s and HF's eager generate 44. The
-course's engine takes a plainer road: no compiler, a CUDA graph over a preallocated cache, and fewer
-kernels per step by hand. Your lines above say where it stands against both. Labs 04-06 build their
-engines on the graph path.
+inside the compiler and is never marked as a fixed address, which `transformers` does only outside
+it ("Without this, we cannot use cudagraphs", says its source). On the H100 we tried, that recipe
+reached 74 tokens/s and HF's eager generate 44. The course's engine takes a plainer road: no
+compiler, a CUDA graph over a preallocated cache, and fewer kernels per step by hand. Your lines
+above say where it stands against both. Labs 04-06 build their engines on the graph path.
 
 ## Summary
 

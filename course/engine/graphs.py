@@ -43,7 +43,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -53,6 +52,7 @@ from course.engine.paged import PagedKVCache, forward_paged_eager
 from course.engine.runner import attend, embed, forward_cached_eager, mask_bias, mlp, project_qkv
 from course.engine.slot_cache import SlotKVCache
 from course.models.decoder import Decoder
+from course.timing import op_writes, storages
 
 __all__ = ["GraphCaptureError", "StepGraph", "batch_buckets", "SlotDecodeGraphs", "PagedDecodeGraphs",
            "capture_decode_graphs", "GreedyEngine", "greedy_generate"]
@@ -110,10 +110,6 @@ def _forbidden(func, args, kwargs, device: torch.device) -> str | None:
     return None
 
 
-def _storages(tree) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
-
-
 class _Recorder(TorchDispatchMode):
     """Sees every aten op of a call. Raises GraphCaptureError on what a graph cannot hold; when
     `record`, keeps the ops that do work (in place, or into a fresh output) with their tensors."""
@@ -132,15 +128,13 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self.record:
             return out
-        schema = func._schema
-        if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-            self.ops.append((func, args, kwargs, None))                        # in place: run it again
-        else:
+        wrote = op_writes(func, args, kwargs, out)
+        if wrote == "in place":
+            self.ops.append((func, args, kwargs, None))                        # run it again
+        elif wrote == "new":                                                   # (a view costs nothing: it stays valid)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            aliases = any(r.alias_info is not None for r in schema.returns) or bool(_storages(outs) & _storages((args, kwargs)))
-            if not aliases:                                                    # a view costs nothing: it stays valid
-                self.ops.append((func, args, kwargs, outs))
-                self.made |= _storages(outs)
+            self.ops.append((func, args, kwargs, outs))
+            self.made |= storages(outs)
         return out
 
 
@@ -272,7 +266,7 @@ def _paged_decode(model: Decoder, cache: PagedKVCache, ids, pos, slot_mapping, b
                   write_kv: Callable, attention: Callable) -> torch.Tensor:
     """forward_paged's decode call (one token per row), every row's keys taken from row src[b]."""
     cfg = model.cfg
-    B, H, Hkv, D = ids.shape[0], cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    B, H, D = ids.shape[0], cfg.n_head, cfg.head_dim
     scale = 1.0 / math.sqrt(D)
     x, rope = embed(model, ids, pos)                                      # (B, 1, C)
     for i, block in enumerate(model.blocks):
