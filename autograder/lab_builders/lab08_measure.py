@@ -58,7 +58,7 @@ from course.widgets.spec_trace import trace_stats
 
 measure_texts = ["The history of the printing press begins in", "Here is a simple recipe for banana bread:",
                  "def bubble_sort(items):\n    ", "My grandfather told me a story about"]
-# Sized to a few minutes: on a GPU an eager pass of this small model costs a launch-bound ~20 ms (lab 02)
+# Sized to a few minutes: on a GPU an eager pass of this small model costs tens of ms, bound by its launches (lab 02)
 n_prompts, new_tokens = env.pick((3, 64), (1, 16), cpu=(2, 32))
 gammas = env.pick([1, 2, 4, 6], [2], cpu=[1, 2, 4])
 measure_prompts = [tokenizer(t).input_ids for t in measure_texts[:n_prompts]]

@@ -358,12 +358,14 @@ moves with whichever SLO binds: a TPOT SLO (a mean over the request) barely sees
 that ITL p99 shows, which is why Sarathi-Serve states its SLO on the time between tokens.
 
 On a GPU the ratio depends on the step's fixed cost. This model is small enough that an eager step
-is **launch-bound**: about 20 ms on an H100 whatever it computes (you measured yours in lab 02), so a
-prefill of a few hundred tokens costs about as much as a decode step, and there is little stall to
-remove; the full-size GPU run uses 4k-token documents for that reason. Once decode steps run as CUDA graphs (a few ms) while mixed steps
-stay eager, the stall comes back, and so does chunked prefill's benefit; with larger models (7B and
-up) prefill is compute-bound, and Sarathi-Serve reports 2.6x more serving capacity under a
-time-between-tokens SLO (Mistral-7B, one A100). Your numbers say which regime your device is in.
+is **launch-bound**: its time is set by the kernels it launches, not by the tokens it computes (lab 02
+showed you the count and the cost of one launch on your device). So a prefill of a few hundred tokens
+costs about as much as a decode step, and there is little stall to remove; the full-size GPU run uses
+4k-token documents for that reason. Once decode steps run as CUDA graphs (lab 02's replay, several
+times faster) while mixed steps stay eager, the stall comes back, and so does chunked prefill's
+benefit; with larger models (7B and up) prefill is compute-bound, and Sarathi-Serve reports 2.6x
+more serving capacity under a time-between-tokens SLO (Mistral-7B, one A100). Your numbers say which
+regime your device is in.
 
 ## Summary
 
