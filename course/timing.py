@@ -232,7 +232,8 @@ def count_ops(fn: Callable[[], object]) -> collections.Counter:
     place or into a new tensor (`op_writes`), and is a kernel (or more) on a GPU. Views (`view`,
     `transpose`, slicing), which only relabel memory, are left out. Unlike a profile, the count is
     the same on every run and, for ops that are one kernel on a GPU, the same on every device; a
-    composite op counts as the ops it runs on this device (a CPU's RMSNorm is five, a GPU's one)."""
+    composite op counts as the ops it runs on this device (`F.rms_norm` is five on a CPU; CUDA
+    has a fused kernel for it)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):
