@@ -6,15 +6,17 @@ subclass, training). The engine's captured decode step must then hold one matmul
 one for gate and up, and no per-layer mask conversion or K/V repeat.
 """
 import collections
+import contextlib
+import gc
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course.engine import SlotKVCache
+from course.engine import PagedKVCache, SlotKVCache, block_table_tensor, forward_extend, forward_paged, paged_ops
 from course.engine.fused import stack_model, stacked
-from course.engine.graphs import SlotDecodeGraphs
+from course.engine.graphs import SlotDecodeGraphs, StepGraph
 from course.engine.runner import mlp, project_qkv
 from course.models import Decoder, init_weights
 from tiny_models import tiny_configs
@@ -129,3 +131,76 @@ def test_stack_model_stacks_every_layer_before_a_capture():
         assert block.mlp.up_proj.weight.data_ptr() == gate_up[m.cfg.d_ff:].data_ptr()
     assert stacked((m.blocks[0].attn.q_proj, m.blocks[0].attn.k_proj, m.blocks[0].attn.v_proj)) is None, \
         "with gradients on, nothing is stacked: they must reach each module's weight"
+
+
+def test_write_kv_is_handed_contiguous_rows():
+    """A Triton store (lab 06's store_kv) reads k and v as rows laid end to end, and refuses anything
+    else. With q, k and v from one stacked matmul, k and v are views with gaps between their rows:
+    every engine path must hand write_kv contiguous tensors (found on an H100, where lab 06 runs the
+    paged engine on the student's kernels)."""
+    m = fresh()
+    handed = []
+
+    def strict(k_cache, v_cache, k, v, slot_mapping):
+        handed.append((k.is_contiguous(), v.is_contiguous()))
+        paged_ops.write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    cache, attn = PagedKVCache(m.cfg, 8, 4), paged_ops.paged_attention
+    with torch.no_grad():
+        forward_paged(m, torch.tensor([[3, 5, 7, 9, 11]]), torch.arange(5)[None], cache, torch.arange(5), None, None,
+                      write_kv=strict, attention=attn)                                           # prefill
+        forward_paged(m, torch.tensor([[4], [6]]), torch.tensor([[5], [5]]), cache, torch.tensor([5, 6]),
+                      block_table_tensor([[0, 1], [0, 1]]), torch.tensor([6, 7], dtype=torch.int32),
+                      write_kv=strict, attention=attn)                                           # decode, 2 rows
+        forward_extend(m, cache, torch.tensor([1, 2, 3]), torch.tensor([7, 8, 9]), torch.tensor([8, 9, 10]), [3],
+                       block_table_tensor([[0, 1, 2]]), torch.tensor([10], dtype=torch.int32), write_kv=strict)
+    assert len(handed) == 3 * m.cfg.n_layer and all(k and v for k, v in handed), \
+        f"(k, v) contiguous, per write_kv call: {handed}"
+
+
+def test_a_cuda_capture_holds_the_garbage_collector_off(monkeypatch):
+    """An old CUDA graph that lives in a reference cycle (a cache and its graphs) is freed whenever
+    Python's collector runs; if that falls inside a capture, freeing it ends the capture (seen on an
+    H100: lab 04's fourth capture failed and left CUDA's random generator unusable). StepGraph
+    collects first and keeps the collector off until the capture ends, even when it fails.
+    The CUDA calls are stand-ins here; what is checked is the collector's state around them."""
+    seen = []
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def pool(self):
+            return "pool"
+
+    @contextlib.contextmanager
+    def capturing(graph, pool=None):
+        seen.append(gc.isenabled())
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    x = torch.ones(3)
+    assert gc.isenabled()
+    out = StepGraph("cpu")._capture_cuda(lambda: x * 2)
+    assert seen == [False] and gc.isenabled(), "the collector is off during the capture, and on again after it"
+    torch.testing.assert_close(out, x * 2)
+
+    def fails():
+        if not gc.isenabled():
+            raise RuntimeError("an op the graph cannot hold")
+        return x
+
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        StepGraph("cpu")._capture_cuda(fails)
+    assert gc.isenabled(), "a failed capture turns the collector back on"
+    gc.disable()
+    try:
+        StepGraph("cpu")._capture_cuda(lambda: x * 2)
+        assert not gc.isenabled(), "a collector that was off stays off"
+    finally:
+        gc.enable()

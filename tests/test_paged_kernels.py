@@ -387,6 +387,25 @@ def _attend(q, k_cache, v_cache, tables, lens, scale):
     return torch.stack(out)
 
 
+@interpreter_only
+def test_the_paged_engine_runs_the_lab_kernels(kernels):
+    """The paged engine on the lab's own store_kv and split-KV kernels (lab 06's last measurement, here
+    in the interpreter on a tiny model) gives the contiguous engine's tokens. The kernels refuse what a
+    GPU would read wrongly (k and v that are not contiguous rows): found on an H100, where the engine
+    handed store_kv a view of its stacked q/k/v matmul."""
+    import course
+    from course.engine.paged_engine import Request, contiguous_generate, paged_generate
+
+    cfg = course.ModelConfig(family="llama", vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96,
+                             max_seq_len=64)
+    model = course.models.init_weights(course.Decoder(cfg), std=0.3, seed=3).eval()
+    work = lambda: [Request(i, p, 4) for i, p in enumerate(([1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]))]
+    want = contiguous_generate(model, work(), 2, 12).outputs
+    got = paged_generate(model, work(), 2, 12, 4, write_kv=kernels.store_kv,
+                         attention=lambda *a: kernels.paged_attention_split(*a, split_len=4)).outputs
+    assert got == want
+
+
 @pytest.mark.parametrize("family, n_kv", [("llama", 2), ("gpt2", 4)])
 def test_forward_paged_equals_the_slot_cache(family, n_kv):
     import course

@@ -115,7 +115,9 @@ def decode_step_seconds(B, prompt, repeats, graphs=False):
     T = len(prompt)
     forward_cached(model, torch.tensor([prompt] * B, device=dev), torch.arange(T, device=dev).expand(B, T), cache, slots)
     if graphs:
-        capture_decode_graphs(model, cache, B, buckets=[B])       # forward_cached now replays it for (B, 1) calls
+        captured = capture_decode_graphs(model, cache, B, buckets=[B])  # forward_cached now replays it for (B, 1) calls
+        if captured.off:                                                # the capture failed: this batch runs eagerly
+            print(f"batch {B}: {captured.describe()}")
     ids, pos = torch.full((B, 1), prompt[-1], device=dev), torch.full((B, 1), T, device=dev)
     def step():
         forward_cached(model, ids, pos, cache, slots)

@@ -41,7 +41,8 @@ def forward_extend(model, input_ids, position_ids, cache: PagedKVCache, slot_map
     for i, block in enumerate(model.blocks):
         q, k, v = project_qkv(model, block, x, rope)                        # (1, H, T, D), (1, Hkv, T, D) x 2
         k_cache, v_cache = cache.layer(i)
-        write_kv(k_cache, v_cache, k[0].transpose(0, 1).to(k_cache.dtype), v[0].transpose(0, 1).to(v_cache.dtype), slot_mapping)
+        write_kv(k_cache, v_cache, k[0].transpose(0, 1).to(k_cache.dtype).contiguous(),   # (T, Hkv, D), row after row:
+                 v[0].transpose(0, 1).to(v_cache.dtype).contiguous(), slot_mapping)        # what a Triton store reads
         kk = k_cache[blocks].reshape(-1, Hkv, D)[:L].transpose(0, 1)[None].to(q.dtype)   # (1, Hkv, L, D)
         vv = v_cache[blocks].reshape(-1, Hkv, D)[:L].transpose(0, 1)[None].to(q.dtype)
         kk, vv = kk.repeat_interleave(cfg.group_size, dim=1), vv.repeat_interleave(cfg.group_size, dim=1)

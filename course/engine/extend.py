@@ -54,8 +54,9 @@ def forward_extend(model: Decoder, cache: PagedKVCache, input_ids: torch.Tensor,
         q, k, v = project_qkv(model, block, x, rope)                         # (1, H, N, D), (1, Hkv, N, D) x 2
         q = q[0].transpose(0, 1)                                             # (N, H, D)
         k_cache, v_cache = cache.layer(i)                                    # (n_blocks, block_size, Hkv, D)
-        write_kv(k_cache, v_cache, k[0].transpose(0, 1).to(k_cache.dtype), v[0].transpose(0, 1).to(v_cache.dtype),
-                 slot_mapping)
+        # (N, Hkv, D), row after row in memory: a Triton store (lab 06) reads them so; k and v are views of one matmul
+        write_kv(k_cache, v_cache, k[0].transpose(0, 1).to(k_cache.dtype).contiguous(),
+                 v[0].transpose(0, 1).to(v_cache.dtype).contiguous(), slot_mapping)
         y = torch.empty_like(q)                                              # (N, H, D)
         if one:
             y[one_rows] = attention(q[one_rows].contiguous(), k_cache, v_cache, block_tables[one],

@@ -39,6 +39,7 @@ without repeating K/V, and the attention mask built once per step instead of onc
 """
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
 
@@ -184,8 +185,15 @@ class StepGraph:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn()
+        gc.collect()            # an old graph that Python's garbage collector frees mid-capture would end this capture
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn()
+        finally:
+            if was_enabled:
+                gc.enable()
         self._graph, self.pool = graph, graph.pool()
         return out
 

@@ -10,7 +10,7 @@ table[i]. Token slot s = block * block_size + offset names one row of the pool.
 Who gets which block is not decided here: that is the block allocator the lab builds. This file
 only holds the memory and runs the model over it, calling two functions the lab writes:
 
-    write_kv(k_cache, v_cache, k, v, slot_mapping)        store new keys/values into their slots
+    write_kv(k_cache, v_cache, k, v, slot_mapping)        store new keys/values (N, Hkv, D), handed contiguous
     attention(q, k_cache, v_cache, block_tables, context_lens, scale) -> (B, H, D)   decode attention
 """
 from __future__ import annotations
@@ -129,8 +129,9 @@ def forward_paged_eager(model: Decoder, input_ids: torch.Tensor, position_ids: t
         attn = block.attn
         q, k, v = project_qkv(model, block, x, rope)                      # (B, H, T, D), (B, Hkv, T, D) x 2
         k_cache, v_cache = cache.layer(i)                                 # (n_blocks, block_size, Hkv, D) each
-        write_kv(k_cache, v_cache, k.transpose(1, 2).reshape(B * T, Hkv, D).to(k_cache.dtype),
-                 v.transpose(1, 2).reshape(B * T, Hkv, D).to(v_cache.dtype), slot_mapping)
+        # (B*T, Hkv, D), row after row in memory: a Triton store (lab 06) reads them so; k and v are views of one matmul
+        write_kv(k_cache, v_cache, k.transpose(1, 2).reshape(B * T, Hkv, D).to(k_cache.dtype).contiguous(),
+                 v.transpose(1, 2).reshape(B * T, Hkv, D).to(v_cache.dtype).contiguous(), slot_mapping)
         if prefill:                                                       # the new tokens are the whole context
             kk = k.repeat_interleave(cfg.group_size, dim=1)               # (1, H, T, D)
             vv = v.repeat_interleave(cfg.group_size, dim=1)
