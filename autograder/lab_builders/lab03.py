@@ -969,7 +969,7 @@ for n in lengths:
     for name, run in loops.items():
         times[name].append(benchmark(lambda: run(n), warmup=0, repeats=repeats, device=env.device).median)
     print(f"{n:4} new tokens ({WHERE}): " + ", ".join(f"{name} {t[-1]:6.2f} s" for name, t in times.items())
-          + f"; your cache {times['no cache'][-1] / times['your cache'][-1]:4.1f}x faster than no cache")
+          + f"; your cache {times['no cache'][-1] / times['your cache'][-1]:4.1f}x as fast as no cache")
 t_plain, t_cached = times["no cache"], times["your cache"]
 record("kv_cache_speedup_eager", t_plain[-1] / t_cached[-1], "x", "your cache vs no cache, eager steps: several x on a "
        "CPU, growing with the new tokens; about 1x on a GPU (launch-bound)", device=env.device, dtype=env.dtype, new_tokens=lengths[-1])
@@ -1019,7 +1019,7 @@ weights_mb = N * model.embed.weight.element_size() / 1e6
 print(f"{n} new tokens after a {T0}-token prompt ({WHERE}):")
 print(f"  tokens processed: {plain_tokens[-1]:,} without the cache, {cached_tokens[-1]:,} with it "
       f"-> {2 * N * plain_tokens[-1] / 1e12:.2f} vs {2 * N * cached_tokens[-1] / 1e12:.3f} TFLOP ({flop_ratio[-1]:.0f}x less compute)")
-print(f"  measured: {t_plain[-1]:.2f} s vs {t_cached[-1]:.2f} s -> your cache {speedups['your cache'][-1]:.1f}x faster; "
+print(f"  measured: {t_plain[-1]:.2f} s vs {t_cached[-1]:.2f} s -> your cache {speedups['your cache'][-1]:.1f}x as fast; "
       f"from {speedups['your cache'][0]:.1f}x at {lengths[0]} new tokens")
 print(f"  memory spent: the final cache holds {cached_tokens[-1]} tokens = {cache_mb:.1f} MB, "
       f"{cache_mb / weights_mb:.1%} of the weights; {saved / (cache_mb * 1e6) / 1e3:,.0f} kFLOP saved per byte of cache")
@@ -1033,12 +1033,13 @@ one token. Whether that compute was what took the time depends on your machine:
   stays far below the FLOP ratio, though: a decode step does the arithmetic of one token, yet it
   still reads every weight from memory, so it costs much more than its FLOPs suggest, while a pass
   over a few dozen tokens reads the same weights once for all of them (lab 02: decode is memory-bound).
-- **On a GPU**, with eager steps, your cache barely helps (close to 1x): a step over one token and a
-  step over a few hundred launch the same thousand kernels, and lab 02 showed that the launches are
-  the step. The saving is real but hidden. Capture the decode step in a CUDA graph and it appears:
-  the green line, several times faster than no cache (your line "with the decode step in a CUDA
-  graph" says how many). What is left of each graph step is hundreds of tiny kernels, still far
-  above the roofline.
+- **On a GPU**, with eager steps, your cache saves far less time than compute, and its gain does not
+  grow with the new tokens: it stays near 1x or shrinks toward it (over a few hundred tokens the
+  cache may even lose a little). A step over one token and a step over a few hundred launch about
+  the same thousand kernels, and lab 02 showed that the launches are the step. The saving is real
+  but hidden. Capture the decode step in a CUDA graph and it appears: the green line, several
+  times faster than no cache (your line "with the decode step in a CUDA graph" says how many). What
+  is left of each graph step is hundreds of tiny kernels, still far above the roofline.
 
 The cache removes compute that grows with the **square** of the length, and pays with memory that
 grows **linearly** with it. Try a prompt of a few hundred tokens: every uncached step becomes a long

@@ -88,7 +88,7 @@ md(r"""
 Two things to take from the table. First, the floors are microseconds: launching a kernel from Python
 costs microseconds of CPU time too (the profile below measures it on a GPU), so at this size launches
 are not free, and split-KV launches two kernels. Second, v2's programs cannot use an H100 at 8 x 8k,
-whatever their speed; the split-KV launcher asks for about two programs per SM.
+whatever their speed; the split-KV launcher asks for at least two programs per SM.
 
 On a CPU your kernels run in the interpreter. Its time says nothing about a GPU: it counts
 program-iterations (each costs milliseconds of NumPy). That is why v2, with four times fewer
@@ -223,7 +223,7 @@ if env.gpu:
 md(r"""
 ### On a GPU: the split length is a knob
 
-`choose_split_len` guesses how many tokens each split should take: enough splits for about two
+`choose_split_len` guesses how many tokens each split should take: enough splits for at least two
 programs per SM. It is a rule of thumb, and your GPU may disagree with it. More splits put more
 programs to work and more loads in flight; fewer splits give each program a longer loop to pipeline
 and stage 2 fewer rows to merge. The cell times your split-KV kernel at both shapes for every split
