@@ -191,9 +191,9 @@ N_SM = torch.cuda.get_device_properties(0).multi_processor_count if env.gpu else
 
 def choose_split_len(batch, n_kv_head, max_ctx, n_sm=N_SM):
     """Tokens per split: enough splits that batch * n_kv_head * n_splits programs give every SM at least two,
-    in whole tiles of 128 tokens, never shorter than 128. The split is rounded down to whole tiles, so
-    there are at least that many splits: rounding up would leave fewer, longer programs, and a last
-    split shorter than the rest (at 32 x 1k on an H100: 384, 384, 256)."""
+    in whole tiles of 128 tokens, never shorter than 128. Rounded down to whole tiles, so there are at
+    least that many programs; rounding up gave fewer, longer ones (at 32 x 1k on an H100: 288 programs
+    of up to 384 tokens, where rounding down gives 384 programs of 256)."""
     splits = max(1, -(-2 * n_sm // (batch * n_kv_head)))
     per_split = max_ctx // splits
     return max(128, per_split // 128 * 128)
