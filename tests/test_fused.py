@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from course.engine import PagedKVCache, SlotKVCache, block_table_tensor, forward_extend, forward_paged, paged_ops
 from course.engine.fused import stack_model, stacked
-from course.engine.graphs import SlotDecodeGraphs, StepGraph
+from course.engine.graphs import SlotDecodeGraphs, StepGraph, write_kv_static
+from course.engine.paged_engine import Request, paged_generate
 from course.engine.runner import mlp, project_qkv
 from course.models import Decoder, init_weights
 from tiny_models import tiny_configs
@@ -156,6 +157,16 @@ def test_write_kv_is_handed_contiguous_rows():
                        block_table_tensor([[0, 1, 2]]), torch.tensor([10], dtype=torch.int32), write_kv=strict)
     assert len(handed) == 3 * m.cfg.n_layer and all(k and v for k, v in handed), \
         f"(k, v) contiguous, per write_kv call: {handed}"
+    # the captured decode step (lab 06 runs the student's kernels inside the engine's graphs), here in the
+    # stand-in; write_kv_static, as a Triton store, takes no boolean mask, so the step can be captured
+    handed.clear()
+    def strict_static(k_cache, v_cache, k, v, slot_mapping):
+        handed.append((k.is_contiguous(), v.is_contiguous()))
+        write_kv_static(k_cache, v_cache, k, v, slot_mapping)
+
+    run = paged_generate(m, [Request(0, [1, 2, 3], 3), Request(1, [4, 5], 3)], 2, 8, 4, write_kv=strict_static, graphs=True)
+    assert "replays" in run.graphs and handed and all(k and v for k, v in handed), \
+        f"captured decode: (k, v) contiguous, per write_kv call: {handed} ({run.graphs})"
 
 
 def test_a_cuda_capture_holds_the_garbage_collector_off(monkeypatch):
