@@ -520,7 +520,9 @@ work grows with the square of the number of turns. With it, each turn computes o
 the last token of the previous answer and the partial blocks around them. On a CPU the prefill time
 follows the tokens. On a GPU, at these lengths, it follows them only loosely: an eager pass is
 launch-bound (lab 02), so the cache saves far less time than it saves tokens. Each time in the table
-is a single run, so read it with some noise in mind. (Turn 1 has nothing to reuse: its two times
+is a single run, so read it with some noise in mind. It is also each turn's first pass at its size:
+on a GPU that can include loading the kernels the pass picks, which the time-to-first-token cell
+above kept out by running every question once untimed. (Turn 1 has nothing to reuse: its two times
 measure the same work.)
 
 ### Hit rate against cache size, and the radix tree against the hashes
