@@ -142,11 +142,14 @@ def test_write_kv_is_handed_contiguous_rows():
     m = fresh()
     handed = []
 
-    def strict(k_cache, v_cache, k, v, slot_mapping):
-        handed.append((k.is_contiguous(), v.is_contiguous()))
-        paged_ops.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    def checking(store):
+        """`store`, recording first whether it was handed contiguous k and v."""
+        def write_kv(k_cache, v_cache, k, v, slot_mapping):
+            handed.append((k.is_contiguous(), v.is_contiguous()))
+            store(k_cache, v_cache, k, v, slot_mapping)
+        return write_kv
 
-    cache, attn = PagedKVCache(m.cfg, 8, 4), paged_ops.paged_attention
+    strict, cache, attn = checking(paged_ops.write_kv), PagedKVCache(m.cfg, 8, 4), paged_ops.paged_attention
     with torch.no_grad():
         forward_paged(m, torch.tensor([[3, 5, 7, 9, 11]]), torch.arange(5)[None], cache, torch.arange(5), None, None,
                       write_kv=strict, attention=attn)                                           # prefill
@@ -160,11 +163,8 @@ def test_write_kv_is_handed_contiguous_rows():
     # the captured decode step (lab 06 runs the student's kernels inside the engine's graphs), here in the
     # stand-in; write_kv_static, as a Triton store, takes no boolean mask, so the step can be captured
     handed.clear()
-    def strict_static(k_cache, v_cache, k, v, slot_mapping):
-        handed.append((k.is_contiguous(), v.is_contiguous()))
-        write_kv_static(k_cache, v_cache, k, v, slot_mapping)
-
-    run = paged_generate(m, [Request(0, [1, 2, 3], 3), Request(1, [4, 5], 3)], 2, 8, 4, write_kv=strict_static, graphs=True)
+    run = paged_generate(m, [Request(0, [1, 2, 3], 3), Request(1, [4, 5], 3)], 2, 8, 4,
+                         write_kv=checking(write_kv_static), graphs=True)
     assert "replays" in run.graphs and handed and all(k and v for k, v in handed), \
         f"captured decode: (k, v) contiguous, per write_kv call: {handed} ({run.graphs})"
 
