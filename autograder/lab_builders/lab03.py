@@ -1115,11 +1115,12 @@ that graph's launches in, and the speed shows it. Skips have the cause you met i
 replays fixed addresses. Compile the whole forward yourself (`model.forward = torch.compile(...)`,
 the recipe older guides give) and the prefill runs compiled too, so the static cache is allocated
 inside the compiler and is never marked as a fixed address, which `transformers` does only outside
-it ("Without this, we cannot use cudagraphs", says its source). Try it: compile `hf_bf.forward` at
-the top of the `HF_COMPILE` branch, and the count of skipped CUDA graphs says so, and so does the
-speed. The course's engine takes a plainer road: no compiler, a CUDA graph over a preallocated cache,
-and fewer kernels per step by hand. Your lines above say where it stands against both. Labs 04-06
-build their engines on the graph path.
+it ("Without this, we cannot use cudagraphs", says its source). To see it, put
+`hf_bf.forward = torch.compile(hf_bf.forward, mode="reduce-overhead")` at the top of the
+`HF_COMPILE` branch and run the cell again: compare the count of skipped CUDA graphs and the speed
+with the first run's. The course's engine takes a plainer road: no compiler, a CUDA graph over a
+preallocated cache, and fewer kernels per step by hand. Your lines above say where it stands against
+both. Labs 04-06 build their engines on the graph path.
 
 ## Summary
 

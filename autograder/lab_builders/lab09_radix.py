@@ -486,7 +486,8 @@ code(r'''
 turns = ["Hi! I ordered a book on Monday.", "When will it arrive?", "Can I still change the address?",
          "And if I do not like it, can I return it?", "Thanks. Do you also sell e-books?"][:env.pick(5, 3)]
 def run_chat():
-    """One conversation through two fresh engines that both live across the turns: a row per turn."""
+    """One conversation through two fresh engines that both live across the turns. Returns a row per
+    turn and the number of turns whose answer was the same with and without the cache."""
     chat = {name: Engine(model, n_blocks=128, block_size=BLOCK, prefix_caching=caching)
             for name, caching in (("no cache", False), ("prefix cache", True))}
     history, rows, same = encode(f"System: {system}\n"), [], 0
@@ -500,7 +501,7 @@ def run_chat():
         history = prompt + answer + encode("\n")
     return rows, same
 
-run_chat()                    # warm-up: the same chat once, untimed, so no time below is a first pass at its size
+run_chat()                    # untimed: so that no time below is a first pass at its size
 rows, same = run_chat()
 print("turn  prompt  cached  prefill no cache  prefill cache")
 for turn, n, hit, t0, t1 in rows:
@@ -525,10 +526,10 @@ work grows with the square of the number of turns. With it, each turn computes o
 the last token of the previous answer and the partial blocks around them. On a CPU the prefill time
 follows the tokens. On a GPU, at these lengths, it follows them only loosely: an eager pass is
 launch-bound (lab 02), so the cache saves far less time than it saves tokens. Each time in the table
-is a single run, so read it with some noise in mind. The cell ran the whole chat once untimed before,
-with fresh engines, for the reason the time-to-first-token cell did: on a GPU a first pass at a new
-size can include loading the kernels it picks. (Turn 1 has nothing to reuse: its two times measure the
-same work.)
+is a single run, so read it with some noise in mind. The cell runs the whole chat twice, through
+fresh engines each time, and shows only the second run's times. The reason is the one the
+time-to-first-token cell gave: on a GPU, the first pass at a new size can include loading the kernels
+it picks. (Turn 1 has nothing to reuse: its two times measure the same work.)
 
 ### Hit rate against cache size, and the radix tree against the hashes
 
