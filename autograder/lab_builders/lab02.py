@@ -391,10 +391,10 @@ then a flat top (compute-bound). They meet at the **ridge point**, peak FLOP/s Ã
 workload left of the ridge cannot use all the compute, however good its code.
 
 `course.hardware.device_peak(env)` gives the two limits of this machine. On a CPU it measures them
-(a large fp32 matmul, a large memory copy); on a GPU it reads the datasheet. We place your prefill
-and decode points on the roof, at the FLOP/s they **achieved** in the timings above: your FLOP count
-divided by the measured time.
-'''))
+(a large fp32 matmul, a large memory copy); on a GPU in its table (`course.hardware.GPUS`) it reads
+the datasheet, and on any other GPU it measures them too. We place your prefill and decode points on
+the roof, at the FLOP/s they **achieved** in the timings above: your FLOP count divided by the
+measured time. '''))
 
 add(code(r'''
 from course.hardware import GPUS, device_peak, plot_roofline
@@ -506,9 +506,11 @@ models use it.
 
 Does batching pay off on this machine? Time one decode step (one token per sequence, no cache) at
 growing batch sizes. As long as something other than the batch's arithmetic dominates the step, a
-step should cost about the same for 1 sequence as for several, and the tokens per second should
-climb with the batch. On a CPU that something is the weights' trip from memory, until the
-intensity reaches the ridge. (On a GPU it is something else again, for this model: section 3.)
+step for several sequences costs far less than that many steps for one, and the tokens per second
+climb with the batch. On a CPU that something is mostly the weights' trip from memory: the step
+still grows with the batch, but much more slowly than the batch, until the intensity reaches the
+ridge (your last line says how much it grew). On a GPU it is something else again, for this model
+(section 3).
 '''))
 
 add(code(r'''
@@ -537,7 +539,8 @@ print(f"batch {batch_sizes[-1]} took {step_ms[-1] / step_ms[0]:.1f}x the time of
 
 add(md(r'''
 That is the bargain every serving engine strikes: a bigger batch gives more tokens per second in
-total, while each sequence waits a little longer for each of its tokens. Lab 04 builds the batcher.
+total, while each sequence waits longer for each of its tokens (as long as the step takes longer:
+on a CPU, your last line says how much). Lab 04 builds the batcher.
 '''))
 
 cells.extend(GRAPH_CELLS)   # section 3: where a decode step's time goes, and Problem 2 (lab02_graphs.py)
@@ -802,11 +805,12 @@ two TTFTs are close. After that they part, or should. `generate` keeps the keys 
 earlier token, so each decode step feeds the model one token, and its ITL stays flat. Your loop has
 no cache: every decode step is a new prefill of the whole sequence so far. On a CPU that shows at
 once: each ITL costs about a TTFT. It also grows with the text, but each step adds one token to a
-prompt of dozens or hundreds: over a short run the growth can hide in the noise (your last line says). On a GPU, at this model size, it
-may hardly show: a forward pass over a few hundred tokens launches the same thousand kernels as a
-pass over one, and section 3 showed that the launches are the step. The last line you printed says
-which case you are in. Either way, the decode phase is cheap only because of the KV cache, once the
-work (not the launches) sets the pace. **Lab 03: you add it to the from-scratch model.**
+prompt of dozens or hundreds: over a short run the growth can hide in the noise. On a GPU, at this
+model size, it may hardly show: a forward pass over a few hundred tokens launches the same thousand
+kernels as a pass over one, and section 3 showed that the launches are the step. Your line "no cache
+(yours)" says which case you are in. Either way, the decode phase is cheap only because of the KV
+cache, once the work (not the launches) sets the pace. **Lab 03: you add it to the from-scratch
+model.**
 
 ## Problem 4: The memory budget (2.5 points)
 
@@ -1061,7 +1065,7 @@ values: lab 10), and prefills split into chunks, which bound the activation peak
 - **DistServe** (Zhong et al., OSDI 2024) goes the other way: it *disaggregates* the phases onto
   different GPUs, each sized and parallelized for its own phase and its own latency target (TTFT for
   prefill, TPOT for decode), and ships the KV cache from the prefill GPU to the decode GPU.
-- **TGI** (Hugging Face) and **nano-vllm** (about 1,400 lines) are readable engines that make the same
+- **TGI** (Hugging Face) and **nano-vllm** (about 1,200 lines) are readable engines that make the same
   choices; in nano-vllm, find where the scheduler decides between a prefill step and a decode step.
 - **CUDA graphs in engines**: nano-vllm (`engine/model_runner.py`) captures batch sizes 1, 2, 4, 8, then
   every 16 up to its maximum, largest first into one shared memory pool; vLLM and SGLang do the same

@@ -84,8 +84,8 @@ work out**, one piece at a time (the launch line: how many pieces, times what on
   microseconds, often less than the launch took. For a 135 M model the kernels are so small that
   the GPU finishes each before the CPU has launched the next, so it waits through most of the step
   (thin slivers of blue), and the step lasts far longer than its kernels: a thousand or so of them,
-  each handed out by Python, PyTorch and the driver in 5-20 µs, against a roofline bound well under
-  a millisecond. The model is
+  each handed out by Python, PyTorch and the driver in 5-20 µs, against a roofline bound under a
+  millisecond. The model is
   **launch-bound**: neither FLOPs nor bytes set its speed.
 
 Which one is your machine? The cell below says, from your numbers.
@@ -419,8 +419,9 @@ else:
 md(r'''
 On a GPU both curves climb with the batch, because both steps are dominated by something other than
 the batch's arithmetic: launches for eager, the fixed cost of a thousand small kernels for the
-graph. The graph's advantage shrinks as the batch grows and each kernel gets real work to do; at
-large enough batches the two meet, where the step is finally bound by its FLOPs and bytes. That is
+graph. The graph's advantage shrinks as the batch grows and each kernel gets real work to do
+(compare your two times at the largest batch); at batches large enough for the step to be bound by
+its FLOPs and bytes the two would meet, often beyond this plot. That is
 why engines bother with graphs for **decode** (small, fixed shapes, run thousands of times) and not
 for prefill (big kernels, shapes that change with every prompt).
 '''),

@@ -25,13 +25,13 @@ has one, and it soon becomes the largest thing in GPU memory, which is what labs
   GPU, also with the decode step in a CUDA graph (lab 02), the way engines run it.
 
 **Time:** about 2 hours: 30 minutes of reading, four problems (cached attention about 35 minutes,
-threading the cache through the model 20, the generate loop 20, the cache size 10), and about 5
+threading the cache through the model 20, the generate loop 20, the cache size 10), and 2-5
 minutes of running on a laptop CPU (the last measurement, up to 256 new tokens without a cache, takes
 most of it; with `COURSE_QUICK=1` it stops at 16 tokens), about 2 minutes on a GPU (up to 2 more if
 you turn on the `torch.compile` comparison). **Hardware:** everything runs on a CPU. On a GPU the model
-runs in bf16 and the last section adds measurements only a GPU can make: the cache with its decode
-step in a CUDA graph, Hugging Face's generate beside it, and, if you turn it on, Hugging Face's
-static cache with `torch.compile`.
+runs in bf16 (fp16 on a T4) and the last section adds the cache with its decode step in a CUDA graph,
+a measurement only a GPU can make, and, in full mode, Hugging Face's generate beside it and, if you
+turn it on, Hugging Face's static cache with `torch.compile`.
 """),
 locked("colab_install", COLAB_INSTALL),
 locked("setup", SETUP),
@@ -119,8 +119,8 @@ for step, keys in enumerate(seen_keys):
 md(r"""
 The token axis (the third) grows by one per step, and the entry at position 3 does not change. The
 loop recomputes it, and every other earlier row, at every step, and gets the same numbers again. (If a
-step shows a tiny change, that is rounding: $10^{-6}$ or less in float32, up to about $10^{-2}$ in bf16
-on a GPU. A matrix product with a different number of rows may add up its terms in a different
+step shows a tiny change, that is rounding: $10^{-6}$ or less in float32, up to about $10^{-2}$ in 16-bit
+floats on a GPU. A matrix product with a different number of rows may add up its terms in a different
 order. No new information.) Count the rows computed
 against the rows that were new:
 """),
@@ -784,8 +784,8 @@ every cached token and every sequence in the batch:
 $$\text{bytes} = \text{n\_layer} \times 2 \times \text{n\_kv\_head} \times \text{head\_dim} \times \text{tokens} \times \text{batch} \times \text{bytes per value}$$
 
 The 2 counts K and V. Note `n_kv_head`, not `n_head`: with GQA the cache shrinks by the group size.
-Servers keep the cache in 16-bit floats (2 bytes per value), and so does this lab on a GPU (bf16);
-on a CPU it runs in float32 (4 bytes).
+Servers keep the cache in 16-bit floats (2 bytes per value), and so does this lab on a GPU (bf16, or
+fp16 on a T4); on a CPU it runs in float32 (4 bytes).
 Lab 02's memory budget used the same count; here you check it against real tensors.
 
 **Deliverable:** `kv_cache_bytes(cfg, n_tokens, batch=1, bytes_per_value=2)` returns the bytes of the
@@ -913,8 +913,8 @@ model, decides how many requests an engine can serve at once (labs 04 and 05).
 ## 4. Measure: what the cache buys
 
 Time both loops on the same prompt for a growing number of new tokens (median of a few runs after a
-warm-up, with `course.timing.benchmark`). In float32 both produce the same tokens; in bf16 on a GPU
-they can part after a near-tie. The work per token is what differs.
+warm-up, with `course.timing.benchmark`). In float32 both produce the same tokens; in 16-bit floats on a
+GPU they can part after a near-tie. The work per token is what differs.
 
 On a GPU a third loop runs beside them: the same cache the way engines run it, with its decode
 step captured in a CUDA graph (lab 02). `course.engine.graphs.GreedyEngine` preallocates the cache
@@ -1056,7 +1056,7 @@ model and dtype, in tokens per second:
 """),
 code(r"""
 import os
-HF_COMPILE = os.environ.get("COURSE_HF_COMPILE") == "1"   # True: also compile HF's static cache (minutes of compiling)
+HF_COMPILE = os.environ.get("COURSE_HF_COMPILE") == "1"   # True: also compile HF's static cache (tens of seconds to minutes)
 
 if env.gpu and not env.quick:
     hf_bf = course.load_hf_model(device=env.device, dtype=env.dtype)      # the same weights, in the engine's dtype
@@ -1087,7 +1087,7 @@ if env.gpu and not env.quick:
         record("optional_hf_compile_s", clock(env.device) - optional_start, "s",
                "the optional HF static cache + torch.compile comparison (COURSE_HF_COMPILE=1)", device=env.device)
     else:
-        print("HF static cache + torch.compile: not run (it compiles for minutes; set HF_COMPILE = True at the top of this cell)")
+        print("HF static cache + torch.compile: not run (it compiles for tens of seconds or more; set HF_COMPILE = True at the top of this cell)")
     per_s["your cache, eager"] = n_hf / benchmark(lambda: cached_generate(cmodel, prompt_ids, n_hf), warmup=0,
                                                   repeats=1, device=env.device).median
     per_s["course engine: cache + CUDA graph"] = n_hf / benchmark(lambda: engine(prompt_ids, n_hf), warmup=1, repeats=2,
@@ -1107,9 +1107,10 @@ else:
     print("GPU only: a CPU has no CUDA graphs, and transformers does not compile generate there.")
 """),
 md(r"""
-On a GPU, the first line is your cache in someone else's code: a dynamic cache, run eagerly, is
-launch-bound like yours. The second idea, a static cache with fixed shapes that a compiler can fuse
-and capture in CUDA graphs, is behind `HF_COMPILE` because compiling takes minutes. Turned on, it
+On a GPU, the line "HF generate (dynamic cache)" is your cache in someone else's code: a dynamic
+cache, run eagerly, is launch-bound like yours. The second idea, a static cache with fixed shapes that
+a compiler can fuse and capture in CUDA graphs, is behind `HF_COMPILE` because compiling takes tens of
+seconds on a fast machine, minutes on a slow one. Turned on, it
 prints how many graphs were compiled and how many CUDA graphs the compiler skipped: each skip leaves
 that graph's launches in, and the speed shows it. Skips have the cause you met in lab 02: a graph
 replays fixed addresses. Compile the whole forward yourself (`model.forward = torch.compile(...)`,
@@ -1120,7 +1121,7 @@ it ("Without this, we cannot use cudagraphs", says its source). To see it, put
 `HF_COMPILE` branch and run the cell again: compare the count of skipped CUDA graphs and the speed
 with the first run's. The course's engine takes a plainer road: no compiler, a CUDA graph over a
 preallocated cache, and fewer kernels per step by hand. Your lines above say where it stands against
-both. Labs 04-06 build their engines on the graph path.
+HF's dynamic cache and, with `HF_COMPILE` on, its static cache. Labs 04-06 build their engines on the graph path.
 
 ## Summary
 
@@ -1138,7 +1139,7 @@ both. Labs 04-06 build their engines on the graph path.
 
 **Questions** (from the workshop this course grew from)
 1. Why do we cache K and V? Why not the queries, or the outputs of each layer?
-2. What do we save, compute or memory? What do we spend? Use your measured numbers. On your machine, did the saving show up as time with eager steps? With a graph?
+2. What do we save, compute or memory? What do we spend? Use your measured numbers. On your machine, did the saving show up as time with eager steps? With a graph (GPU only)?
 3. How are the prefill and decode phases different once there is a cache? What shape do Q, K and V have in each?
 4. What can we do if we run out of memory for the cache? List at least three options, and what each costs.
 5. Your cache grows with `torch.cat`, which allocates a new tensor and copies the whole old cache at every step. How many bytes does that copy in total for $n$ tokens? How would you avoid it?

@@ -31,9 +31,9 @@ in every serving engine (vLLM, SGLang, TGI), and you will build it today.
 - watch both schedules on a batch timeline, and measure their throughput and latency, against each other, against the batch size, and against Hugging Face `generate`; on a GPU, also with the decode steps in CUDA graphs (lab 02).
 
 **Time:** about 2 hours 25 minutes: 35 minutes of reading, four problems (left padding about 20
-minutes, static batching 30, the scheduler 25, the engine step 30), and 3-5 minutes of running on a
+minutes, static batching 30, the scheduler 25, the engine step 30), and 2-5 minutes of running on a
 laptop CPU (about 2 minutes on a GPU). **Hardware:** everything runs on a CPU, with the
-measurements sized down there; on a GPU the model runs in bf16, the workloads are larger, and the
+measurements sized down there; on a GPU the model runs in bf16 (fp16 on a T4), the workloads are larger, and the
 engine's decode steps can run from CUDA graphs.
 """),
 locked("colab_install", COLAB_INSTALL),
@@ -57,7 +57,7 @@ tensor up front and give each request a **slot** in it, a row with room for `max
   slots, at different lengths: that is what continuous batching will need.
 
 It is our from-scratch decoder (`course/models/decoder.py`) with the cache threaded through
-attention; `course/engine/runner.py` is about 100 lines, worth a look. Here it generates a few
+attention; `course/engine/runner.py` is about 150 lines, worth a look. Here it generates a few
 tokens for one prompt in slot 2: one **prefill** call over the prompt, then one **decode** call per token.
 """),
 code(r"""
@@ -286,7 +286,7 @@ def last_logits(m, ids, mask, pos):
 gpt2_cfg = course.ModelConfig(family="gpt2", vocab_size=model.cfg.vocab_size, n_layer=2, n_head=4, n_kv_head=4,
                               d_model=64, d_ff=128, max_seq_len=64)
 gpt2_like = course.models.init_weights(course.Decoder(gpt2_cfg), std=0.5).to(dev)
-for name, m in (("SmolLM2 (RoPE)", model), ("GPT-2-style (learned positions)", gpt2_like)):
+for name, m in (("SmolLM2 (RoPE)", model_fp32), ("GPT-2-style (learned positions)", gpt2_like)):   # both float32
     right = last_logits(m, demo_ids, demo_mask, position_ids_from_mask(demo_mask))
     wrong = last_logits(m, demo_ids, demo_mask, torch.arange(demo_ids.shape[1], device=dev).expand_as(demo_ids))  # counted over the pads
     print(f"{name:32s} largest logit change when positions count the pads: {(right - wrong).abs().max().item():.1e}")
@@ -932,12 +932,12 @@ md(r"""
 The step counts are exact (they depend only on the lengths and the schedule); the seconds carry the
 noise of your machine. Two effects make up the gap. **Fewer steps**: continuous batching keeps its
 slots full, so the same tokens take fewer forward passes. **Shorter waits**: a request no longer
-waits for the longest request of the batch ahead of it. One cost goes the other way, and the last
-line shows its size: a continuous step that admits a newcomer also runs its prefill, and every
+waits for the longest request of the batch ahead of it. One cost goes the other way, and the line
+"continuous steps with a prefill took ..." shows its size: a continuous step that admits a newcomer also runs its prefill, and every
 running request waits for it. Static batching pays for all prefills of a batch in one pass.
 (Chunked prefill, below, bounds that cost.) On a GPU the last line compares the same continuous
 engine with its decode steps in CUDA graphs: the schedule is the same, and so are the tokens, up to
-bf16 near-ties (the graph pads the batch and reads the whole slot, so it rounds differently: the line
+16-bit near-ties (the graph pads the batch and reads the whole slot, so it rounds differently: the line
 counts the requests that match). Each decode step is several times cheaper, and the prefills, which stay eager, become a larger share of the time.
 
 ### Throughput against latency, as the batch grows
@@ -981,9 +981,9 @@ batch, the likelier it holds one from the long tail. Right: the price. On a CPU 
 longer, so each user's tokens come more slowly as the batch grows; on a GPU the steps cost about the
 same, and what slows a continuous engine's users is the prefills of the newcomers it admits. That is the trade-off `max_batch_size` sets, and engines expose it because the right point
 depends on the service: a chat needs tokens faster than people read, an offline job only cares
-about the total. While requests wait for a slot, continuous steps are slower than static ones: every
-slot is busy, and newcomers' prefills ride along. Once the batch holds every request (batch 8 in
-quick mode), there are no newcomers, and continuous steps are the cheaper ones. (The mean request
+about the total. Compare the two "ms per token" columns too: a continuous step may carry a
+newcomer's prefill, a static step carries rows that have already finished, and which costs more
+depends on your workload and machine. (The mean request
 latency printed above behaves differently. All requests arrive at once, so much of their latency is
 queueing for a slot. For continuous batching, more slots cut it. For static batching they may not:
 every request leaves with its batch's longest member, and when one batch holds every request, each
@@ -1023,8 +1023,8 @@ print(f"your static batching:     {results['static']['tok_s'] / hf_tok_s:.2f}x H
 print(f"your continuous batching: {results['continuous']['tok_s'] / hf_tok_s:.2f}x HF generate's throughput")
 """),
 md(r"""
-`generate` runs the same schedule as your static engine, with a cache of its own, so the two
-should be close; a few requests may differ in a late token where two candidates score almost the
+`generate` runs the same schedule as your static engine, with a cache of its own: the same steps
+over the same rows. A few requests may differ in a late token where two candidates score almost the
 same and the two implementations round differently. Your two engines share the model and the forward
 pass, so the lead of continuous over static is scheduling alone. `generate` runs other code (HF's
 model and cache), so the gap between it and your static engine is the implementation's. With only a

@@ -758,7 +758,7 @@ copy-on-write blocks; prefill each newcomer (its first token, or its next one af
 decode all the others in one forward pass; retire finished requests and free their blocks. It
 records a snapshot of every block table for the widget. `contiguous_generate` is lab 04's engine on
 the slot cache, for comparison: the same schedule, with `max_len` slots reserved per request. Both
-run their decode steps eagerly here; section 5 turns on CUDA graphs.
+run their decode steps eagerly here; on a GPU, section 5 turns on CUDA graphs.
 """),
 locked("engines", r'''
 from course.engine import paged_engine
@@ -1052,7 +1052,8 @@ if env.gpu:
     runs["paged (batched attention) + CUDA graphs"] = paged_engine.paged_generate(model, workload(), B, n_blocks, 16,
                                                                                   graphs=True)
 same = runs["contiguous"].outputs == runs["paged (your reference)"].outputs
-print(f"{n_req} requests x {new_tokens} new tokens, batches of up to {B}, {env.dtype} on {dev}; same tokens: {same}")
+print(f"{n_req} requests x {new_tokens} new tokens, batches of up to {B}, {env.dtype} on {dev}; same tokens: {same}",
+      "" if env.dtype == torch.float32 else f"({env.dtype}: a near-tie can part them)")
 for name, run in runs.items():
     print(f"{name:>40}: {run.throughput:7.1f} tokens/s  [{run.graphs}]")
 ratio = runs["paged (your reference)"].throughput / runs["contiguous"].throughput
@@ -1110,7 +1111,8 @@ and what remains is the kernels' own cost.
 - **Reference counts** let sequences share blocks (parallel sampling, later prefix caching, lab 09);
   **copy-on-write** gives a sequence its own copy of a shared block just before it writes into it.
 - When blocks run out the engine **holds back** new requests, and **preempts** the newest running one,
-  **recomputing** its cache later; outputs do not change, only time does.
+  **recomputing** its cache later; outputs do not change (in float32; in bf16 a near-tie can part
+  them), only time does.
 - Paging is memory management: it lets more requests run at once. Reading the blocks fast is a
   kernel's job: lab 06. So is reading them without asking the host: a reference that reads each
   sequence's length with `int(...)` cannot be captured in a CUDA graph, and on a GPU the decode

@@ -460,7 +460,8 @@ for prompt in ("The capital of France is", "The weather today is", "I like to ea
           f"top-p 0.5 keeps {survivors_at(prompt, top_p=0.5):4d}, top-k 50 keeps {survivors_at(prompt, top_k=50)}")
 """),
 md(r"""
-Top-k keeps the same number of tokens whatever the context. Top-p keeps a handful where the model is
+Top-k keeps k tokens whatever the context (a few more where logits tie with the k-th, which bf16's
+coarse steps make common on a GPU). Top-p keeps a handful where the model is
 sure and many more where it is not. That adaptivity is why top-p became the default knob of most APIs.
 
 ## Problem 4: Min-p (2 points)

@@ -142,7 +142,7 @@ Read your table:
   4-block draft's guesses acceptable; whether they also save time depends on $c$. On a CPU a pass
   costs about what its weights do: the trained draft's 4 blocks of 30, its adapter and its 8,192-row
   head are about a sixth of the target's ($c \approx 0.16$); the early exit, with the full head, about
-  a quarter. On a GPU without graphs every pass costs what launching its kernels costs
+  a third ($c \approx 0.3$). On a GPU without graphs every pass costs what launching its kernels costs
   (lab 02), and each step adds small launches and host reads of its own (the probability rows, the
   argmaxes, the tokens read back to Python) that cost next to nothing on a CPU. On a GPU, compare the
   line printed under your table (no graphs) with the table (graphs): the difference is what launch
@@ -185,7 +185,8 @@ for name in drafters:
 md(r"""
 Compare the two tables. On text that repeats itself prompt lookup's acceptance rate is high, its runs
 are long, and tokens per pass keep climbing with $\gamma$: a draft of several tokens is accepted
-whole. The draft model does not know what is being copied, so its numbers barely move. Whether the
+whole. The draft model does not know what is being copied, so it gains nothing from the repetition
+(its acceptance rate may even fall). Whether the
 wall clock follows depends on what a target pass over $\gamma + 1$ tokens costs next to a pass
 over one, on your machine: read the speedup column.
 
@@ -248,8 +249,8 @@ for big, small in (("smollm2-360m", "smollm2-135m"), ("gpt2", "distilgpt2")):   
 md(r"""
 ## Summary
 
-- Decoding is one token per pass; a pass over a few more tokens costs far less than a pass per token
-  (on a GPU, about the same as one). Speculative decoding spends that slack on the draft's guesses.
+- Decoding is one token per pass; a pass over a few more tokens costs less than a pass per token
+  (on a GPU, about the same as one; on a CPU, your first measurement says how much less). Speculative decoding spends that slack on the draft's guesses.
 - The target checks $\gamma$ drafts in **one** pass over the last token and the drafts; its
   $\gamma + 1$ rows give a verdict for every draft plus one token of its own.
 - The KV cache **appends** the drafts and **rolls back** the rejected ones, in the target and in the
@@ -271,7 +272,7 @@ md(r"""
    When can prompt lookup afford a longer draft than the draft model, and why?
 5. Your draft costs $c$ of a target pass. Using the speedup formula, what acceptance rate would it
    need to reach 2x at $\gamma = 4$? Why does a big GPU target (a 70B model) make $c$ much smaller
-   than on this CPU?
+   than it is for this 135M target?
 6. In a batched server (lab 04), each request accepts a different number of drafts per step. What
    does that do to the batch, and to the paged KV cache of lab 05 (which blocks must be freed)?
 7. Why does speculative decoding help most at small batch sizes, and less when the batch already

@@ -191,14 +191,16 @@ KV scale is 1.0 unless you calibrate), a cache of small values wastes most of th
 
 PyTorch stores `torch.float8_e4m3fn` on every device; casting to it rounds to the nearest fp8 number.
 Arithmetic on fp8 tensors is another matter: only NVIDIA's Ada and Hopper GPUs (sm_89, sm_90) and newer
-multiply fp8 in hardware (`torch._scaled_mm`). Elsewhere, like here, fp8 is a storage format:
-cast to float32 to compute. That is what `dequantize` does.
+multiply fp8 in hardware (`torch._scaled_mm`). Elsewhere (a CPU, a T4, an A100) fp8 is only a
+storage format; the next cell says which case you are in. Either way this lab casts to float32 to
+compute: that is what `dequantize` does.
 
 **Deliverable:** `quantize_fp8(x, dims)`: returns `(codes, scale)` like Problem 4, with `codes` of dtype
 `torch.float8_e4m3fn` = `x / scale` clamped to [-448, 448], and `scale = max |x| / 448` over `dims`,
 float32, keepdim (1.0 where that max is 0). Clamp even though the scale should keep you in range: a
-rounding error can push `x / scale` just past 448, and while PyTorch's cast saturates to 448, other
-converters and kernels turn an out-of-range number into NaN (e4m3fn has no infinity).
+rounding error can push `x / scale` just past 448, and while the PyTorch you run probably saturates
+to 448 (the next cell casts 1000), older releases and many other converters and kernels turn an
+out-of-range number into NaN (e4m3fn has no infinity).
 """),
 solution("quantize_fp8", r'''
 FP8_MAX = 448.0                                       # the largest float8_e4m3fn number
@@ -322,8 +324,9 @@ Read your timings (they name the device and dtype). Do not expect the 8-bit pool
 though they hold a quarter of the fp32 bytes or half of the bf16 bytes. Both paths gather the blocks
 and write a float32 copy before attention reads them (lab 05's `paged_attention` computes in float32
 too); the 8-bit path adds a pass (codes times scales), and on a CPU fp8 is converted in software. The
-bytes saved in the gather are spent again. Decode attention is memory-bound (lab 02): its time is the bytes it reads over the
-memory bandwidth. So the gain needs a kernel that reads the 8-bit codes and converts them in
+bytes saved in the gather are spent again. At serving sizes decode attention is memory-bound (lab 02):
+its time is the bytes it reads over the memory bandwidth (at this lab's small sizes, the cost of each
+operation weighs more). So the gain needs a kernel that reads the 8-bit codes and converts them in
 registers, never writing the float copy: vLLM's and FlashInfer's fp8 KV kernels do that, and read half
 the bytes of a bf16 cache. On a GPU, compare the time of the 8-bit rows with the bf16 row and with the
 bytes each reads: your numbers say whether this unfused reference's extra copy eats the saving there too.

@@ -278,12 +278,12 @@ for name, fmt in speed_formats.items():
     del qm
 '''),
 md(r"""
-On a CPU the quantized rows are likely slower, for the same reason as the KV pools: this reference
-rebuilds a full float weight for every layer at every call, reading the codes and then writing and
-reading more bytes than the float model reads at all. Decode is memory-bound, so the speed-up needs
-kernels that never materialize the float weight: llama.cpp's CPU kernels multiply straight from Q4_1
-blocks, and GPU kernels such as Marlin (4-bit) reach close to the 4x the smaller bytes allow on large
-models. (On a GPU, a model this small is launch-bound anyway: lab 02.)
+On a CPU the quantized rows are no faster (the int8 row about even at best, the 4-bit row slower),
+for the same reason as the KV pools: this reference rebuilds a full float weight for every layer at
+every call, reading the codes and then writing and reading more bytes than the float model reads at
+all. Decode is memory-bound, so the speed-up needs kernels that never materialize the float weight:
+llama.cpp's CPU kernels multiply straight from Q4_1 blocks, and GPU kernels such as Marlin (4-bit)
+reach close to the 4x the smaller bytes allow on large models. (On a GPU, a model this small is launch-bound anyway: lab 02.)
 
 ## 7. Measure: memory against quality
 

@@ -358,7 +358,8 @@ the last is full, so the kept tokens line up as one shorter sequence. Nothing el
 
 Below, the text goes through the model one token at a time (a decode with the true next token fed
 in), with your allocator evicting as it goes. Then the same text goes through once, in one pass,
-with your mask. The two must agree on every position. A full cache must not.
+with your mask. The two must agree on every position. A full cache must not: its logits part from
+the decode's once the first tokens leave the window (the top token may still agree).
 """),
 code(r'''
 def decode_with_window(m, ids, window, sink, block_size):

@@ -306,8 +306,9 @@ step), and in that column every chat row is orange: they got no token. Hover ove
 the times at the right. In the chunked grid the documents' prompts are light blue **chunks** spread
 over several steps, and the chat rows stay green: they decode at every step. Count the steps too: the
 chunked schedule needs no step of its own for a document, since its chunks ride along with the
-decodes. A step that carries a chunk is longer than a plain decode step, but far shorter than a whole
-prefill.
+decodes. On a CPU a step that carries a chunk is longer than a plain decode step, but far shorter than
+a whole prefill; on a GPU with eager steps all three can cost about the same (the times at the right
+say which; the end of the next section says why).
 
 ### Measure: the tail of the inter-token latency, and what it costs
 
@@ -350,12 +351,14 @@ Read your numbers; the effect is what the picture predicted. Under prefill-first
 prefill is a gap of the length of that prefill for every chat; with a few dozen gaps per chat, those
 few long ones **are** the p99 (and the max). Under chunked prefill the longest gap is one step of at
 most `BUDGET` tokens, so the p99 drops by about the ratio of a document's prefill to one chunked
-step. The median barely moves: most steps are plain decodes under both policies. Throughput stays
-close, and may even grow: the same tokens are computed, and the chunks' steps also carry the
-decodes, so the documents' prompts cost no steps of their own in which the chats wait. The price is paid by the documents: their TTFT grows, since their prompt now
-shares its steps with the decodes and spreads over several of them (look at "TTFT doc"). Goodput
-moves with whichever SLO binds: a TPOT SLO (a mean over the request) barely sees the stalls
-that ITL p99 shows, which is why Sarathi-Serve states its SLO on the time between tokens.
+step. In full mode the median barely moves: most steps are plain decodes under both policies. (Quick
+mode's run is short, chunks ride in a large share of its steps, and the median and throughput move
+more.) Throughput stays close, and may even grow: the same tokens are computed, and the chunks'
+steps also carry the decodes, so the documents' prompts cost no steps of their own in which the
+chats wait. The price is paid by the documents: their TTFT grows, since their prompt now shares its
+steps with the decodes and spreads over several of them (look at "TTFT doc"). Goodput moves with
+whichever SLO binds: a TPOT SLO (a mean over the request) barely sees the stalls that ITL p99 shows,
+which is why Sarathi-Serve states its SLO on the time between tokens.
 
 On a GPU the ratio depends on the step's fixed cost. This model is small enough that an eager step
 is **launch-bound**: its time is set by the kernels it launches, not by the tokens it computes (lab 02
@@ -381,9 +384,10 @@ regime your device is in.
 - A **load generator** sends requests at gamma-distributed (Poisson when burstiness is 1) arrival
   times from concurrent streaming clients; **TTFT, TPOT, ITL, E2EL** percentiles, **throughput** and
   **goodput** under an SLO are how serving systems are compared (vLLM's `bench serve`).
-- **Chunked prefill** gives each step a token budget, decodes first: the tail of the inter-token
-  latency shrinks by about the ratio of a long prefill to one budgeted step, for a small cost in
-  throughput and a larger TTFT for the long prompts.
+- **Chunked prefill** gives each step a token budget, decodes first: where a long prefill costs many
+  steps (a CPU; a large model, or CUDA-graph decodes, on a GPU), the tail of the inter-token latency
+  shrinks by about the ratio of a long prefill to one budgeted step, for a small cost in throughput
+  and a larger TTFT for the long prompts.
 
 **Questions**
 1. The engine loop runs `core.step()` in a worker thread but applies new requests and aborts on the

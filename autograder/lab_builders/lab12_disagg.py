@@ -13,14 +13,15 @@ CELLS = [
 md(r"""
 ## 6. Prefill-decode disaggregation
 
-The workshop this course grew from gives the reason in two lines: prefill is compute-bound and decode
-memory-bound (for large models on a GPU), so one machine tuned for both serves neither well. Here is the problem it causes. An engine that serves
-prefills and decodes together (lab 11) runs, at each step, the prefill of any request that just arrived
-and one decode step for every running request. On a CPU, and for large models on a GPU, a long
-prompt's prefill takes far longer than a decode step (a small model's eager steps on a GPU are
-launch-bound: there a few hundred tokens cost about one step), so every running request waits for it before its next token: its **inter-token latency** (ITL)
-jumps from one decode step to a whole prefill. Chunked prefill (lab 11) cuts the jump into smaller
-pieces; it does not remove it.
+The workshop this course grew from gives the reason in two lines: prefill is compute-bound and
+decode memory-bound (for large models on a GPU), so one machine tuned for both serves neither well.
+Here is the problem it causes. An engine that serves prefills and decodes together (lab 11) runs, at
+each step, the prefill of any request that just arrived and one decode step for every running
+request. On a CPU, and for large models on a GPU, a long prompt's prefill takes several decode steps
+or more (a small model's eager steps on a GPU are launch-bound: there a few hundred tokens cost
+about one step), so every running request waits for it before its next token: its **inter-token
+latency** (ITL) jumps from one decode step to a whole prefill. Chunked prefill (lab 11) cuts the
+jump into smaller pieces; it does not remove it.
 
 **Disaggregation** (Splitwise, DistServe; 2024) gives the two phases different machines. Prefill workers
 only prefill; each finished request's KV cache is sent to a decode worker, which only decodes, so no
@@ -271,19 +272,20 @@ plot_serving(serve_runs); plt.show()
 '''),
 md(r"""
 Read the table and the two pictures from your run. The tokens should be the same: the KV blocks
-arrive bit for bit. (Only a near-tie between two tokens could flip: a request decoded in a batch with other
-neighbours gets logits that differ in the last bits.) In the colocated engine, a decode step that comes
-after a prefill waits for all of it: the largest token gaps are at least a whole prefill long (an orange bar
-between two blue ones). In the disaggregated engine the decode worker never prefills: its gaps stay near
-one decode step, plus a KV transfer now and then (milliseconds here: the thin green marks). The median
-gap may move either way: the decode worker runs bigger batches, but no prefill ever runs beside it.
-Then look at time to first token. Here prompts arrive every 1.5 prefill times (`GAP`), so one prefill
-worker keeps up. Make them come faster than one worker prefills (`GAP` below `PREFILL_S`) and they
-queue at that worker, while two colocated replicas would share them. That is why DistServe sizes the two pools separately, for the latency each phase must meet
-(its goodput: requests per second that meet both the TTFT and the ITL target). The KV cache of a request
-(46 KB per token of the default model in float32, a third of a MB per token for Llama-3-70B in bf16)
-crosses the network once; real systems stream it layer by layer while the prefill still runs, so the
-transfer hides behind compute.
+arrive bit for bit. (Only a near-tie between two tokens could flip: a request decoded in a batch
+with other neighbours gets logits that differ in the last bits.) In the colocated engine, a decode
+step that comes after a prefill waits for all of it: the largest token gaps are at least a whole
+prefill long (an orange bar between two blue ones). In the disaggregated engine the decode worker
+never prefills: its gaps stay within a few decode steps of its batch (compare the two ITL max), plus
+a KV transfer now and then (milliseconds here: the thin green marks). The median gap may move either
+way: the decode worker runs bigger batches, but no prefill ever runs beside it. Then look at time to
+first token. Here prompts arrive every 1.5 prefill times (`GAP`), so one prefill worker keeps up.
+Make them come faster than one worker prefills (`GAP` below `PREFILL_S`) and they queue at that
+worker, while two colocated replicas would share them. That is why DistServe sizes the two pools
+separately, for the latency each phase must meet (its goodput: requests per second that meet both
+the TTFT and the ITL target). The KV cache of a request (46 KB per token of the default model in
+float32, a third of a MB per token for Llama-3-70B in bf16) crosses the network once; real systems
+stream it layer by layer while the prefill still runs, so the transfer hides behind compute.
 
 ## 8. On several GPUs: torchrun and NCCL
 
@@ -320,8 +322,8 @@ md(r"""
 
 - A model that does not fit one GPU is split. **Tensor parallelism** splits every layer: column-parallel
   q, k, v (whole heads, GQA's KV heads with their query heads) and gate/up, row-parallel o and down, one
-  all-reduce per attention and per MLP. Every rank holds 1/W of the weights and of the KV cache, and every
-  layer waits twice for the interconnect.
+  all-reduce per attention and per MLP. Every rank holds 1/W of every layer's weights and of the KV
+  cache, and every layer waits twice for the interconnect.
 - A ring all-reduce sends 2(W - 1)/W of the buffer per rank; tensor parallelism sends
   4 n_layer C (W - 1)/W values per token per rank. Fast links only: TP stays inside a machine.
 - **Pipeline parallelism** splits the stack into stages; only activations cross. With m micro-batches
