@@ -394,7 +394,8 @@ workload left of the ridge cannot use all the compute, however good its code.
 (a large fp32 matmul, a large memory copy); on a GPU in its table (`course.hardware.GPUS`) it reads
 the datasheet, and on any other GPU it measures them too. We place your prefill and decode points on
 the roof, at the FLOP/s they **achieved** in the timings above: your FLOP count divided by the
-measured time. '''))
+measured time.
+'''))
 
 add(code(r'''
 from course.hardware import GPUS, device_peak, plot_roofline

@@ -1108,20 +1108,20 @@ else:
 """),
 md(r"""
 On a GPU, the line "HF generate (dynamic cache)" is your cache in someone else's code: a dynamic
-cache, run eagerly, is launch-bound like yours. The second idea, a static cache with fixed shapes that
-a compiler can fuse and capture in CUDA graphs, is behind `HF_COMPILE` because compiling takes tens of
-seconds on a fast machine, minutes on a slow one. Turned on, it
-prints how many graphs were compiled and how many CUDA graphs the compiler skipped: each skip leaves
-that graph's launches in, and the speed shows it. Skips have the cause you met in lab 02: a graph
-replays fixed addresses. Compile the whole forward yourself (`model.forward = torch.compile(...)`,
-the recipe older guides give) and the prefill runs compiled too, so the static cache is allocated
-inside the compiler and is never marked as a fixed address, which `transformers` does only outside
-it ("Without this, we cannot use cudagraphs", says its source). To see it, put
-`hf_bf.forward = torch.compile(hf_bf.forward, mode="reduce-overhead")` at the top of the
-`HF_COMPILE` branch and run the cell again: compare the count of skipped CUDA graphs and the speed
-with the first run's. The course's engine takes a plainer road: no compiler, a CUDA graph over a
-preallocated cache, and fewer kernels per step by hand. Your lines above say where it stands against
-HF's dynamic cache and, with `HF_COMPILE` on, its static cache. Labs 04-06 build their engines on the graph path.
+cache, run eagerly, is launch-bound like yours. The second idea, a static cache with fixed shapes
+that a compiler can fuse and capture in CUDA graphs, is behind `HF_COMPILE` because compiling takes
+tens of seconds on a fast machine, minutes on a slow one. Turned on, it prints how many graphs were
+compiled and how many CUDA graphs the compiler skipped: each skip leaves that graph's launches in,
+and the speed shows it. Skips have the cause you met in lab 02: a graph replays fixed addresses.
+Compile the whole forward yourself (`model.forward = torch.compile(...)`, the recipe older guides
+give) and the prefill runs compiled too, so the static cache is allocated inside the compiler and is
+never marked as a fixed address, which `transformers` does only outside it ("Without this, we cannot
+use cudagraphs", says its source). To see it, put `hf_bf.forward = torch.compile(hf_bf.forward,
+mode="reduce-overhead")` at the top of the `HF_COMPILE` branch and run the cell again: compare the
+count of skipped CUDA graphs and the speed with the first run's. The course's engine takes a plainer
+road: no compiler, a CUDA graph over a preallocated cache, and fewer kernels per step by hand. Your
+lines above say where it stands against HF's dynamic cache and, with `HF_COMPILE` on, its static
+cache. Labs 04-06 build their engines on the graph path.
 
 ## Summary
 

@@ -32,8 +32,8 @@ in every serving engine (vLLM, SGLang, TGI), and you will build it today.
 
 **Time:** about 2 hours 25 minutes: 35 minutes of reading, four problems (left padding about 20
 minutes, static batching 30, the scheduler 25, the engine step 30), and 2-5 minutes of running on a
-laptop CPU (about 2 minutes on a GPU). **Hardware:** everything runs on a CPU, with the
-measurements sized down there; on a GPU the model runs in bf16 (fp16 on a T4), the workloads are larger, and the
+laptop CPU (about 2 minutes on a GPU). **Hardware:** everything runs on a CPU, with the measurements
+sized down there; on a GPU the model runs in bf16 (fp16 on a T4), the workloads are larger, and the
 engine's decode steps can run from CUDA graphs.
 """),
 locked("colab_install", COLAB_INSTALL),
@@ -933,12 +933,13 @@ The step counts are exact (they depend only on the lengths and the schedule); th
 noise of your machine. Two effects make up the gap. **Fewer steps**: continuous batching keeps its
 slots full, so the same tokens take fewer forward passes. **Shorter waits**: a request no longer
 waits for the longest request of the batch ahead of it. One cost goes the other way, and the line
-"continuous steps with a prefill took ..." shows its size: a continuous step that admits a newcomer also runs its prefill, and every
-running request waits for it. Static batching pays for all prefills of a batch in one pass.
-(Chunked prefill, below, bounds that cost.) On a GPU the last line compares the same continuous
-engine with its decode steps in CUDA graphs: the schedule is the same, and so are the tokens, up to
-16-bit near-ties (the graph pads the batch and reads the whole slot, so it rounds differently: the line
-counts the requests that match). Each decode step is several times cheaper, and the prefills, which stay eager, become a larger share of the time.
+"continuous steps with a prefill took ..." shows its size: a continuous step that admits a newcomer
+also runs its prefill, and every running request waits for it. Static batching pays for all prefills
+of a batch in one pass. (Chunked prefill, below, bounds that cost.) On a GPU the last line compares
+the same continuous engine with its decode steps in CUDA graphs: the schedule is the same, and so
+are the tokens, up to 16-bit near-ties (the graph pads the batch and reads the whole slot, so it
+rounds differently: the line counts the requests that match). Each decode step is several times
+cheaper, and the prefills, which stay eager, become a larger share of the time.
 
 ### Throughput against latency, as the batch grows
 

@@ -88,7 +88,8 @@ The Triton model in four lines: you write the work of one **program**; a **grid*
 parallel (`kernel[grid](...)`), each finding its share of the work from `tl.program_id(axis)`; a
 program loads and stores whole tiles with `tl.load(pointers, mask=...)` and `tl.store`; tile sizes
 are `tl.constexpr` powers of two, and **masks** switch off the lanes that fall outside the data.
-On a GPU, programs run on the **streaming multiprocessors** (SMs): an H100 SXM has 132 (the PCIe card 114), an A100 108, a T4 40.
+On a GPU, programs run on the **streaming multiprocessors** (SMs): an H100 SXM has 132 (the PCIe
+card 114), an A100 108, a T4 40.
 
 **On a CPU**, `course.setup()` set `TRITON_INTERPRET=1` before anything imported Triton, so every
 `@triton.jit` below runs in the interpreter: NumPy executes each program one after the other.

@@ -85,10 +85,10 @@ for B, ctx in ((32, 1024), (8, 8192), (1, 8192)):
     print(f"{f'{B} x {ctx}':>16}{nbytes:>14,}{floors}{B * cfg.n_kv_head:>14}{split_len:>11}{split_programs:>19}")
 """),
 md(r"""
-Two things to take from the table. First, the floors are microseconds: launching a kernel from Python
-costs tens of microseconds of CPU time (the profile below measures it on a GPU), so at this size
-launches are not free, and split-KV launches two kernels. Second, v2's programs cannot use an H100 at 8 x 8k,
-whatever their speed; the split-KV launcher asks for at least two programs per SM.
+Two things to take from the table. First, the floors are microseconds: launching a kernel from
+Python costs tens of microseconds of CPU time (the profile below measures it on a GPU), so at this
+size launches are not free, and split-KV launches two kernels. Second, v2's programs cannot use an
+H100 at 8 x 8k, whatever their speed; the split-KV launcher asks for at least two programs per SM.
 
 On a CPU your kernels run in the interpreter. Its time says nothing about a GPU: it counts
 program-iterations (each costs milliseconds of NumPy). That is why v2, with four times fewer

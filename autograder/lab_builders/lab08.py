@@ -73,12 +73,13 @@ md(r"""
 A decode step of lab 02 runs the whole model to produce **one** token. On a GPU most of that step is
 fixed cost (about a thousand kernel launches for this model; for a big model, reading every weight),
 and the arithmetic units mostly wait. On a CPU the arithmetic does the work, but a pass over a few
-tokens still costs less than a few passes (you measure how much less). Lab 04 filled that slack with other requests
-(batching). **Speculative decoding** fills it with *guesses* for the same request: a cheap **draft** proposes
-the next few tokens, and the expensive **target** model checks all of them in **one** forward pass.
-Every guess the target agrees with is a token gained without a target pass of its own. The trick is in the checking rule:
-done right, the text has exactly the target's distribution (greedy: exactly the target's greedy
-text), however bad the draft. A bad draft only costs speed, never quality.
+tokens still costs less than a few passes (you measure how much less). Lab 04 filled that slack with
+other requests (batching). **Speculative decoding** fills it with *guesses* for the same request: a
+cheap **draft** proposes the next few tokens, and the expensive **target** model checks all of them
+in **one** forward pass. Every guess the target agrees with is a token gained without a target pass
+of its own. The trick is in the checking rule: done right, the text has exactly the target's
+distribution (greedy: exactly the target's greedy text), however bad the draft. A bad draft only
+costs speed, never quality.
 
 **You will**
 - measure what a forward pass over several tokens costs next to a pass over one (on a GPU about the

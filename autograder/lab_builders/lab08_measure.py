@@ -250,7 +250,8 @@ md(r"""
 ## Summary
 
 - Decoding is one token per pass; a pass over a few more tokens costs less than a pass per token
-  (on a GPU, about the same as one; on a CPU, your first measurement says how much less). Speculative decoding spends that slack on the draft's guesses.
+  (on a GPU, about the same as one; on a CPU, your first measurement says how much less).
+  Speculative decoding spends that slack on the draft's guesses.
 - The target checks $\gamma$ drafts in **one** pass over the last token and the drafts; its
   $\gamma + 1$ rows give a verdict for every draft plus one token of its own.
 - The KV cache **appends** the drafts and **rolls back** the rejected ones, in the target and in the

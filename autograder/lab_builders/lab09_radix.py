@@ -470,9 +470,9 @@ md(r"""
 Read the three lines. On a CPU the eager line beats the whole prompt, though by less than the share
 of the prompt the cache holds: each pass keeps its fixed cost. The graph line comes out close to the
 eager one, a little behind or ahead with the noise: it computes `W` tokens, not just the question's,
-and the stand-in saves no launches (a CPU has none to save). On a GPU the eager line comes out close to the whole prompt's, or even below
-it, and the graph line shows what the saved tokens are worth once the launches are gone: there,
-prefix caching pays through the graph.
+and the stand-in saves no launches (a CPU has none to save). On a GPU the eager line comes out close
+to the whole prompt's, or even below it, and the graph line shows what the saved tokens are worth
+once the launches are gone: there, prefix caching pays through the graph.
 """),
 md(r"""
 ### A multi-turn chat

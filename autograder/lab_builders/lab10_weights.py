@@ -283,7 +283,8 @@ for the same reason as the KV pools: this reference rebuilds a full float weight
 every call, reading the codes and then writing and reading more bytes than the float model reads at
 all. Decode is memory-bound, so the speed-up needs kernels that never materialize the float weight:
 llama.cpp's CPU kernels multiply straight from Q4_1 blocks, and GPU kernels such as Marlin (4-bit)
-reach close to the 4x the smaller bytes allow on large models. (On a GPU, a model this small is launch-bound anyway: lab 02.)
+reach close to the 4x the smaller bytes allow on large models. (On a GPU, a model this small is
+launch-bound anyway: lab 02.)
 
 ## 7. Measure: memory against quality
 
