@@ -85,6 +85,7 @@ def load_lab_module(gpu: bool, directory: Path):
 
 SMOLLM2 = dict(H=9, H_KV=3, BLOCK_SIZE=16, D=64)
 TARGETS = ((75, "fp16"), (80, "fp32"), (80, "fp16"), (80, "bf16"), (90, "bf16"))
+SHARED_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 90: 227 * 1024}   # bytes of shared memory per block (CUDA guide: T4, A100, H100)
 
 
 def _signature(kernel: str, dtype: str) -> dict:
@@ -148,6 +149,11 @@ def test_solution_kernels_compile_for_t4_a100_and_h100(kernels):
     failed = [f"{name} sm_{arch} {sig.get('q_ptr', sig.get('k_ptr'))} {cx} {opt}: {r['error']}"
               for (name, sig, cx, arch, opt), r in zip(jobs, report) if r["error"] is not None]
     assert not failed, "solution kernels that a GPU compiler rejects:\n" + "\n".join(failed)
+    # every configuration fits the shared memory one program may take (a launch over it fails with OutOfResources:
+    # the autotuner would skip such a configuration, but the fixed ones have no fallback)
+    too_big = [f"{name} sm_{arch} {cx} {opt}: {r['shared']} bytes > {SHARED_LIMIT[arch]}"
+               for (name, sig, cx, arch, opt), r in zip(jobs, report) if r["shared"] > SHARED_LIMIT[arch]]
+    assert not too_big, "configurations that need more shared memory than the GPU gives a program:\n" + "\n".join(too_big)
     # the split-KV and prefill kernels use tensor cores where Triton's tl.dot has them (sm_80 and later, 16-bit)
     for (name, sig, cx, arch, opt), r in zip(jobs, report):
         if name in ("paged_decode_split_kernel", "paged_prefill_kernel") and arch >= 80 and sig["q_ptr"] != "*fp32":
