@@ -116,7 +116,7 @@ def lookup_gpu(device_name: str) -> GPUSpec | None:
         raise TypeError(f"device_name must be a str such as 'NVIDIA A100-SXM4-80GB', got {type(device_name).__name__}")
     n = re.sub(r"[\s_\-]+", " ", device_name.lower())
     words = set(n.split())
-    if "nvl" in words:
+    if "nvl" in words or "gh200" in n:           # other figures than the cards below (GH200: 4-4.9 TB/s)
         return None
     if "h200" in n:
         return GPUS["H200"]

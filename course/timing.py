@@ -115,7 +115,9 @@ class StepProfile:
     @property
     def idle_share(self) -> float:
         """Share of the profiled span in which the device computed nothing (waiting for the host)."""
-        return max(0.0, 1 - self.busy_s / self.span_s) if self.span_s else 0.0
+        if not self.span_s or self.busy_s != self.busy_s:     # nothing timed (a GPU profile without CUPTI): unknown
+            return float("nan")
+        return max(0.0, 1 - self.busy_s / self.span_s)
 
     def table(self, n: int = 8) -> str:
         """The `n` names that took the most time: count, total and mean time each."""

@@ -71,7 +71,8 @@ def test_targets_read_full_mode_only_and_say_met_missed_or_not_measured():
     runs = [_full("02_prefill_decode", graph_speedup=12.0),
             _full("03_kv_cache", kv_cache_speedup_graph=3.1, engine_batch1_tokens_per_s=350.0,
                   hf_static_compile_tokens_per_s=301.0),
-            _full("08_speculative_decoding", spec_best_speedup_draft=0.8, spec_best_speedup_prompt_lookup=1.7),
+            _full("08_speculative_decoding", spec_best_speedup_draft=0.8, spec_best_speedup_prompt_lookup=1.7,
+                  spec_best_speedup_repeating_draft=1.2),
             LabRun("09_prefix_caching", "quick", 9.0, [Cell("a", 1, 1)],
                    measurements=[{"key": "prefix_cache_ttft_speedup", "value": 9.0, "unit": "x", "claim": "c"}])]
     verdicts = {(t.lab, t.key): (value, bound, verdict) for t, value, bound, verdict in target_rows(runs)}
@@ -79,7 +80,8 @@ def test_targets_read_full_mode_only_and_say_met_missed_or_not_measured():
     assert verdicts["02_prefill_decode", "graph_speedup"] == (12.0, 8.0, "met")
     assert verdicts["03_kv_cache", "kv_cache_speedup_graph"][2] == "MISSED"
     assert verdicts["03_kv_cache", "engine_batch1_tokens_per_s"] == (350.0, 301.0, "met"), "a bound read from another key"
-    assert verdicts["08_speculative_decoding", "spec_best_speedup_*"] == (1.7, 1.5, "met"), "the best drafter counts"
+    assert verdicts["08_speculative_decoding", "spec_best_speedup_*"] == (1.7, 1.5, "met (spec_best_speedup_prompt_lookup)"), \
+        "the best drafter counts, and the verdict names it"
     assert verdicts["09_prefix_caching", "prefix_cache_ttft_speedup*"][2] == "not run in full mode", "quick mode never counts"
     assert verdicts["06_triton_kernels", "prefill_vs_sdpa_4096"][2] == "not run in full mode"
     runs.append(_full("06_triton_kernels", split_kv_vs_sdpa_32x1024=0.9))

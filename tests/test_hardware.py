@@ -44,7 +44,7 @@ def test_gpu_peak_units_and_dtypes():
     ("NVIDIA A100 80GB PCIe", "A100-80GB PCIe"), ("NVIDIA H100 80GB HBM3", "H100 SXM"),
     ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H200", "H200"), ("Tesla T4", "T4"), ("NVIDIA L4", "L4"),
     ("NVIDIA A10G", "A10G"), ("NVIDIA GeForce RTX 4090", "RTX 4090"),
-    ("NVIDIA H100 NVL", None), ("NVIDIA L40S", None), ("NVIDIA A10", None), ("NVIDIA A100-PCIE-40GB", None),
+    ("NVIDIA H100 NVL", None), ("NVIDIA GH200 480GB", None), ("NVIDIA L40S", None), ("NVIDIA A10", None), ("NVIDIA A100-PCIE-40GB", None),
     ("NVIDIA GeForce RTX 4090 Laptop GPU", None), ("AMD Instinct MI300X", None),
 ])
 def test_lookup_gpu(device_name, expected):

@@ -230,15 +230,21 @@ def test_async_engine_bounded_queue(model):
 def test_engine_with_decode_graphs_gives_the_same_tokens(model):
     """graphs=True captures the decode step (a stand-in with CUDA-graph semantics on a CPU): same tokens."""
     pytest.importorskip("course.engine.graphs")
-    prompts, outs = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]], {}
-    for graphs in (False, True):
-        core = LLMEngine(model, n_blocks=32, block_size=4, max_running=4, budget=16, graphs=graphs)
+    prompts, outs, cores = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]], {}, {}
+    for graphs, graph_max_len in ((False, 1024), (True, 1024), (True, 8)):
+        core = LLMEngine(model, n_blocks=32, block_size=4, max_running=4, budget=16, graphs=graphs,
+                         graph_max_len=graph_max_len)
         for i, p in enumerate(prompts):
             core.add_request(i, p, SamplingParams(temperature=0.0), max_tokens=6)
         got = {i: [] for i in range(len(prompts))}
         while core.has_work():
             for o in core.step():
                 got[o.rid].append(o.token)
-        outs[graphs] = got
-    assert outs[True] == outs[False] == {i: greedy(model, p, 6) for i, p in enumerate(prompts)}
-    assert getattr(core.kv, "graphs", None) is not None and core.kv.graphs.replays > 0, "decode steps replayed the graphs"
+        outs[graphs, graph_max_len], cores[graphs, graph_max_len] = got, core
+    assert outs[True, 1024] == outs[True, 8] == outs[False, 1024] == {i: greedy(model, p, 6) for i, p in enumerate(prompts)}
+    wide, narrow = cores[True, 1024].kv.graphs, cores[True, 8].kv.graphs
+    assert wide.replays > 0 and wide.eager_calls == 0, "every decode step fits graphs 1024 tokens wide"
+    assert narrow.max_blocks == 2 and narrow.replays > 0 and narrow.eager_calls > 0, \
+        "graphs 8 tokens wide: batches whose longest sequence (7 + 6 tokens) outgrows them run eagerly"
+    with pytest.raises(ValueError, match="graph_max_len"):
+        LLMEngine(model, n_blocks=32, block_size=4, max_running=4, budget=16, graphs=True, graph_max_len=0)

@@ -95,7 +95,9 @@ share = launch_floor / t_step
 print(f"launches alone would take {launch_floor * 1e3:.2f} ms: {share:.0%} of your {t_step * 1e3:.2f} ms step "
       f"({WHERE}); the roofline bound is {bound['decode step'] / t_step:.1%} of it")
 print(f"the device computed through {1 - prof.idle_share:.0%} of the profiled step")
-if prof.idle_share > 0.5:   # judged by the device's idle time: a launch cost measured on a bare add is only a floor
+if prof.idle_share != prof.idle_share:      # nan: the profiler saw no device activity (no CUPTI on this machine)
+    print("-> the profile holds no device times here: judge by the launch share in the first line.")
+elif prof.idle_share > 0.5:   # judged by the device's idle time: a launch cost measured on a bare add is only a floor
     print("-> bound by launches: the device waits through most of the step for its next piece of work. "
           "Removing the launches should pay off.")
 else:
@@ -336,8 +338,9 @@ if env.gpu and not env.quick:
     try:
         compiled = torch.compile(model, mode="reduce-overhead")
         start = clock(env.device)
-        for _ in range(3):                           # compile, then record its graphs
-            compiled(step_ids, step_pos)
+        with torch.inference_mode():                 # as benchmark runs it: another grad mode would compile again
+            for _ in range(3):                       # compile, then record its graphs
+                compiled(step_ids, step_pos)
         compile_s = clock(env.device) - start
         results["torch.compile (reduce-overhead)"] = benchmark(lambda: compiled(step_ids, step_pos), warmup=2,
                                                                repeats=repeats, device=env.device).median

@@ -48,8 +48,9 @@ tensor up front and give each request a **slot** in it, a row with room for `max
 
 `course.engine` holds that cache and a forward pass that uses it (given code; nothing in it is graded):
 
-- `SlotKVCache(cfg, n_slots, max_len)`: keys and values of shape
-  `(n_layer, n_slots, n_kv_head, max_len, head_dim)`, plus `lengths[slot]` (how many positions of
+- `SlotKVCache(cfg, n_slots, max_len, dtype=model.dtype, device=dev)`: keys and values of shape
+  `(n_layer, n_slots, n_kv_head, max_len, head_dim)` in the model's dtype (the default, float32, would
+  add a cast at every layer of every step on a GPU, where the model runs in 16-bit floats), plus `lengths[slot]` (how many positions of
   each slot are written) and `valid[slot, position]` (which of them hold a real token; more on that soon).
 - `forward_cached(model, input_ids, position_ids, cache, slots, attention_mask=None)`: runs the
   model on `B` rows of new tokens `(B, T)`. Row `b` appends its keys and values to slot `slots[b]`,
@@ -71,7 +72,7 @@ model_fp32 = model if env.dtype == torch.float32 else course.load_model(device=e
 dev = env.device
 
 prompt = tokenizer("The capital of France is").input_ids            # list[int]
-cache = SlotKVCache(model.cfg, n_slots=4, max_len=64, device=dev)
+cache = SlotKVCache(model.cfg, n_slots=4, max_len=64, dtype=model.dtype, device=dev)
 slot = torch.tensor([2], device=dev)                                  # this request lives in slot 2
 logits = forward_cached(model, torch.tensor([prompt], device=dev),    # prefill: (1, T) -> logits (1, T, V)
                         torch.arange(len(prompt), device=dev)[None], cache, slot)
@@ -326,7 +327,7 @@ def static_generate(model, prompts: list[list[int]], max_new_tokens: int | list[
     input_ids, mask = left_pad(prompts, pad_id)                          # (B, T) each
     positions = position_ids_from_mask(mask)                             # (B, T)
     B, T = input_ids.shape
-    cache = SlotKVCache(model.cfg, n_slots=B, max_len=T + max(limits), device=dev)
+    cache = SlotKVCache(model.cfg, n_slots=B, max_len=T + max(limits), dtype=model.dtype, device=dev)
     slots = torch.arange(B, device=dev)                                  # row b lives in slot b
     logits = forward_cached(model, input_ids.to(dev), positions.to(dev), cache, slots, mask.to(dev))  # prefill
     next_pos = positions[:, -1:].to(dev) + 1                             # (B, 1): where each row's next token sits

@@ -912,7 +912,7 @@ the third, by then its only user, writes into it in place. From then on each gro
 code(r'''
 def parallel_samples(prompt, n, max_new_tokens, block_size=4, n_blocks=16, temperature=1.0, seed=0):
     """n sampled answers to one prompt that share its blocks. Returns (outputs, snapshots, labels)."""
-    alloc, cache = SharedBlockAllocator(n_blocks, block_size), PagedKVCache(cfg, n_blocks, block_size, device=dev)
+    alloc, cache = SharedBlockAllocator(n_blocks, block_size), PagedKVCache(cfg, n_blocks, block_size, dtype=model.dtype, device=dev)
     fns, gen = dict(write_kv=write_kv, attention=paged_attention_ref), torch.Generator().manual_seed(seed)
     def sample(logits):                                     # (n, V) -> n token ids
         return torch.multinomial(torch.softmax(logits.float().cpu() / temperature, -1), 1, generator=gen)[:, 0].tolist()

@@ -104,8 +104,7 @@ locked("prefill_launch", r'''
 FIXED_PREFILL = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
 PREFILL_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
                    for m, n, warps, stages in ((64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3))]
-tuned_prefill_kernel = (triton.autotune(PREFILL_CONFIGS, key=["H", "H_KV", "D", "BLOCK_SIZE", "n_q"])(paged_prefill_kernel)
-                        if env.gpu else None)
+PREFILL_TUNE_KEY = ["H", "H_KV", "D", "BLOCK_SIZE", "n_q"]                 # autotuned(...): the split-KV launcher's
 
 
 def paged_prefill(q, k_cache, v_cache, block_table, context_len, scale, out=None):
@@ -128,7 +127,7 @@ def paged_prefill(q, k_cache, v_cache, block_table, context_len, scale, out=None
     if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
     if env.gpu and T >= TUNE_FROM:
-        kernel, meta = tuned_prefill_kernel, {}
+        kernel, meta = autotuned(paged_prefill_kernel, PREFILL_CONFIGS, PREFILL_TUNE_KEY), {}
     else:
         kernel, meta = paged_prefill_kernel, (FIXED_PREFILL if env.gpu else dict(BLOCK_M=16, BLOCK_N=16))
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H)

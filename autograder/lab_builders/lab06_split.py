@@ -184,8 +184,17 @@ TUNE_FROM = 512
 FIXED_SPLIT = dict(TILE=32, num_warps=4, num_stages=2)              # GPU, shorter contexts
 DECODE_CONFIGS = [triton.Config({"TILE": tile}, num_warps=warps, num_stages=stages)
                   for tile, warps, stages in ((32, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 3))]
-tuned_split_kernel = (triton.autotune(DECODE_CONFIGS, key=["H", "H_KV", "GROUP_PAD", "D", "BLOCK_SIZE", "split_len"])(
-                          paged_decode_split_kernel) if env.gpu else None)
+SPLIT_TUNE_KEY = ["H", "H_KV", "GROUP_PAD", "D", "BLOCK_SIZE", "split_len"]
+_tuned = {}
+
+
+def autotuned(kernel, configs, key):
+    """`kernel` wrapped in triton.autotune, made on its first use. Running a kernel's cell again makes a new
+    kernel, and so a new wrapper here; a wrapper made once up front would go on running the old kernel."""
+    if id(kernel) not in _tuned:                  # the wrapper holds the kernel, so its id stays its own
+        _tuned[id(kernel)] = triton.autotune(configs, key=key)(kernel)
+    return _tuned[id(kernel)]
+
 N_SM = torch.cuda.get_device_properties(0).multi_processor_count if env.gpu else 4
 
 
@@ -223,7 +232,7 @@ def split_stage1(q, k_cache, v_cache, block_tables, context_lens, scale, split_l
         raise ValueError(f"out must be contiguous float32 buffers of shapes {(B, H, n_splits, D)} and {(B, H, n_splits)}")
     group = H // Hkv
     if env.gpu and max_ctx >= TUNE_FROM:
-        kernel, meta = tuned_split_kernel, {}
+        kernel, meta = autotuned(paged_decode_split_kernel, DECODE_CONFIGS, SPLIT_TUNE_KEY), {}
     else:
         kernel, meta = paged_decode_split_kernel, (FIXED_SPLIT if env.gpu else dict(TILE=16))
     kernel[(B, Hkv, n_splits)](part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens, scale,

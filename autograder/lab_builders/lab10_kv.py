@@ -165,8 +165,10 @@ kv_formats = {"int8, a scale per head": (lambda x: quantize_absmax(x, (-1,)), 8,
               "int4, a scale per head": (lambda x: quantize_absmax(x, (-1,), bits=4), 4, "head")}
 if env.quick:
     del kv_formats["int8, a scale per token"]
+base = nll["full cache"] if env.dtype == torch.float32 else \
+    token_nll(model32, ids, kv_transform=lambda x: x.to(env.dtype).float())      # keys and values rounded to 16 bits
 kv_results = {f"{str(env.dtype).removeprefix('torch.')} (no quantization)":
-              (kv_bytes_per_token(cfg, 16 if env.gpu else 32), perplexity(nll["full cache"], late))}
+              (kv_bytes_per_token(cfg, 16 if env.gpu else 32), perplexity(base, late))}
 for name, (quantize, bits, scales) in kv_formats.items():
     x = token_nll(model32, ids, kv_transform=through(quantize))
     kv_results[name] = (kv_bytes_per_token(cfg, bits, scales), perplexity(x, late))

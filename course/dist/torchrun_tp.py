@@ -121,13 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     import course
     from course.dist.launch import init_from_env
     from course.dist.tp import tp_forward
+    from course.environment import choose_dtype
 
     answers = load_answers(args.answers)
     comm = init_from_env(args.backend)
     device = f"cuda:{torch.cuda.current_device()}" if comm.backend == "nccl" else "cpu"
     if comm.backend == "gloo":
         torch.set_num_threads(max(1, (torch.get_num_threads() or 1) // comm.world_size))
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = choose_dtype(device)                  # float32 on a CPU; bf16 on a GPU, fp16 where it has none (a T4)
     name = args.model or course.DEFAULT_MODEL
     model = course.load_model(name, device=device, dtype=dtype).eval()
     ids = torch.tensor([course.load_tokenizer(name)(args.prompt).input_ids], device=device)

@@ -28,8 +28,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default: what the model and cache allow)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (on a GPU)")
+    p.add_argument("--graph-max-len", type=int, default=1024,
+                   help="with --cuda-graphs: decode batches whose longest sequence fits this many tokens replay a "
+                        "graph (which reads its whole width every step); longer ones run eagerly")
     args = p.parse_args(argv)
-    for name in ("max_running", "block_size", "n_blocks"):
+    for name in ("max_running", "block_size", "n_blocks", "graph_max_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_waiting < 0 or args.chunk_size < 0:
@@ -58,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     core = LLMEngine(model, n_blocks=args.n_blocks, block_size=args.block_size, max_running=args.max_running,
                      budget=args.chunk_size if chunked else min(n_tokens, model.cfg.max_seq_len),
                      policy="chunked" if chunked else "prefill_first", prefix_caching=not args.no_prefix_caching,
-                     eos_token_id=tokenizer.eos_token_id, max_model_len=args.max_model_len, graphs=args.cuda_graphs)
+                     eos_token_id=tokenizer.eos_token_id, max_model_len=args.max_model_len, graphs=args.cuda_graphs,
+                     graph_max_len=args.graph_max_len)
     served = args.served_model_name or name.split("/")[-1]
     app = build_app(AsyncEngine(core, max_waiting=args.max_waiting), tokenizer, served)
     print(f"serving {served!r} on http://{args.host}:{args.port} (max_model_len {core.max_model_len}, "

@@ -39,6 +39,7 @@ from course.engine.prefix_cache import PrefixCache
 from course.engine.sampler import SamplingParams, sample
 from course.engine.scheduler import POLICIES, Seq
 from course.models.decoder import Decoder
+from course.timing import synchronize
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,10 @@ class LLMEngine:
     def __init__(self, model: Decoder, *, n_blocks: int = 256, block_size: int = 16, max_running: int = 8,
                  budget: int = 512, policy: str | Callable = "chunked", prefix_caching: bool = True,
                  eos_token_id: int | None = None, max_model_len: int | None = None, dtype: torch.dtype | None = None,
-                 graphs: bool = False):
+                 graphs: bool = False, graph_max_len: int = 1024):
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a course Decoder (course.load_model()), got {type(model).__name__}")
-        for name, value in (("max_running", max_running), ("budget", budget)):
+        for name, value in (("max_running", max_running), ("budget", budget), ("graph_max_len", graph_max_len)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(policy, str) and policy not in POLICIES:
@@ -103,8 +104,12 @@ class LLMEngine:
         self.max_model_len = min(model.cfg.max_seq_len, n_blocks * block_size, max_model_len or 1 << 62)
         self.decode: Callable = forward_paged      # decode-only steps: replays CUDA graphs once they are captured
         if graphs:                                 # one graph per batch bucket, over this engine's KV cache
+            # A replayed step reads its graph's whole width of blocks for every sequence, however short: graphs
+            # as wide as max_model_len (8k tokens) would read far more than the eager step. So they cover
+            # batches whose longest sequence fits graph_max_len tokens; wider batches run eagerly.
             from course.engine.graphs import capture_decode_graphs
-            capture_decode_graphs(model, self.kv, max_batch=max_running, max_blocks=-(-self.max_model_len // block_size))
+            width = -(-min(self.max_model_len, graph_max_len) // block_size)
+            capture_decode_graphs(model, self.kv, max_batch=max_running, max_blocks=width)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = Stats()
@@ -167,6 +172,7 @@ class LLMEngine:
             if req.rid in self.pc.tables:
                 self.pc.free(req.rid)
         outputs = self._run(plan) if plan else []
+        synchronize(self.device)                    # a step with no host read would bill its GPU time to the next
         self.stats.steps += 1
         if self.trace is not None:
             self._record(plan, outputs)
