@@ -49,6 +49,12 @@ interpreter is slow). **Hardware:** any CPU runs every problem in Triton's inter
 | compile check | for sm_75 (T4), sm_80 (A100), sm_90 (H100), in a subprocess | the same |
 | timing | interpreter time (not performance) and a bytes model | `perf_report` of CUDA-graph replays (`do_bench_cudagraph`) next to SDPA and the memory roofline |
 | engine | skipped (minutes per step in the interpreter) | your kernels inside the lab 05 engine |
+
+One caveat for a T4: Triton's README lists NVIDIA GPUs of compute capability 8.0 and up (A100 and
+later) as supported, and a T4 is 7.5. Your kernels compile for it (the compile check at the end of
+section 4), and PyTorch's own compiler still generates Triton kernels for it, but Triton's
+developers do not test it, and this lab has not been run on one: an A100, L4 or H100 is the safer
+choice.
 """),
 locked("colab_install", COLAB_INSTALL),
 locked("setup", SETUP),
