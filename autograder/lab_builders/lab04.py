@@ -49,9 +49,10 @@ tensor up front and give each request a **slot** in it, a row with room for `max
 `course.engine` holds that cache and a forward pass that uses it (given code; nothing in it is graded):
 
 - `SlotKVCache(cfg, n_slots, max_len, dtype=model.dtype, device=dev)`: keys and values of shape
-  `(n_layer, n_slots, n_kv_head, max_len, head_dim)` in the model's dtype (the default, float32, would
-  add a cast at every layer of every step on a GPU, where the model runs in 16-bit floats), plus `lengths[slot]` (how many positions of
-  each slot are written) and `valid[slot, position]` (which of them hold a real token; more on that soon).
+  `(n_layer, n_slots, n_kv_head, max_len, head_dim)`, plus `lengths[slot]` (how many positions of
+  each slot are written) and `valid[slot, position]` (which of them hold a real token; more on that
+  soon). Give it the model's dtype: the default, float32, would add a cast at every layer of every
+  step on a GPU, where the model runs in 16-bit floats.
 - `forward_cached(model, input_ids, position_ids, cache, slots, attention_mask=None)`: runs the
   model on `B` rows of new tokens `(B, T)`. Row `b` appends its keys and values to slot `slots[b]`,
   attends to everything in that slot so far, and gets its logits `(B, T, V)`. Rows may sit in any
