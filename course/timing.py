@@ -10,6 +10,7 @@ how long the device was busy), `launch_cost` what handing out one op costs the h
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import time
 from contextlib import contextmanager
@@ -114,8 +115,9 @@ class StepProfile:
 
     @property
     def idle_share(self) -> float:
-        """Share of the profiled span in which the device computed nothing (waiting for the host)."""
-        if not self.span_s or self.busy_s != self.busy_s:     # nothing timed (a GPU profile without CUPTI): unknown
+        """Share of the profiled span in which the device computed nothing (waiting for the host); nan
+        when the profile timed nothing (a GPU profile without CUPTI records no device activity)."""
+        if not self.span_s or math.isnan(self.busy_s):
             return float("nan")
         return max(0.0, 1 - self.busy_s / self.span_s)
 

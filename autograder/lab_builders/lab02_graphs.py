@@ -95,7 +95,7 @@ share = launch_floor / t_step
 print(f"launches alone would take {launch_floor * 1e3:.2f} ms: {share:.0%} of your {t_step * 1e3:.2f} ms step "
       f"({WHERE}); the roofline bound is {bound['decode step'] / t_step:.1%} of it")
 print(f"the device computed through {1 - prof.idle_share:.0%} of the profiled step")
-if prof.idle_share != prof.idle_share:      # nan: the profiler saw no device activity (no CUPTI on this machine)
+if math.isnan(prof.idle_share):      # the profiler saw no device activity (no CUPTI on this machine)
     print("-> the profile holds no device times here: judge by the launch share in the first line.")
 elif prof.idle_share > 0.5:   # judged by the device's idle time: a launch cost measured on a bare add is only a floor
     print("-> bound by launches: the device waits through most of the step for its next piece of work. "

@@ -99,7 +99,7 @@ code(r"""
 if env.gpu:
     print("on a GPU: see the benchmark below")
 else:
-    lens = [256] * 4                      # 8-9 s in all on a 2-core CPU; shorter ones hide what v2's tiles save
+    lens = [256] * 4                      # about 2 s in all on a 2-core CPU; shorter ones hide what v2's tiles save
     case = paged_case(lens, H=cfg.n_head, Hkv=cfg.n_kv_head, D=cfg.head_dim, block_size=16)
     split_len = choose_split_len(len(lens), cfg.n_kv_head, max(lens))
     timed = {"PyTorch reference": lambda: paged_attention(*case, 0.125),
@@ -218,7 +218,8 @@ if env.gpu:
         where = dict(device=gpu, dtype=dt_name, shape=f"{batch}x{ctx}", timing="CUDA-graph replay")
         record(f"split_kv_roofline_{batch}x{ctx}", frac, "of peak", "split-KV decode reaches >= 0.5 of the HBM roofline on an H100", **where)
         record(f"split_kv_vs_sdpa_{batch}x{ctx}", t_sdpa / t_split, "x", "split-KV decode >= 0.8x SDPA on gathered K/V on an H100", **where)
-    print("the configuration autotuning kept:", getattr(autotuned(paged_decode_split_kernel, DECODE_CONFIGS, SPLIT_TUNE_KEY), "best_config", None))
+    tuned = autotuned(paged_decode_split_kernel, DECODE_CONFIGS, SPLIT_TUNE_KEY)   # the wrapper the launcher used
+    print("the configuration autotuning kept:", getattr(tuned, "best_config", None))
 """),
 md(r"""
 ### On a GPU: the split length is a knob
@@ -293,7 +294,8 @@ else:
             from course.report import record
             record("prefill_vs_sdpa_4096", t_sdpa / t_mine, "x", "the paged prefill kernel >= 0.5x SDPA's flash backend at 4k tokens on an H100",
                    device=gpu, dtype=dt_name, backend="flash" if flash else "efficient", timing="CUDA-graph replay")
-    print("the configuration autotuning kept:", getattr(autotuned(paged_prefill_kernel, PREFILL_CONFIGS, PREFILL_TUNE_KEY), "best_config", None))
+    tuned = autotuned(paged_prefill_kernel, PREFILL_CONFIGS, PREFILL_TUNE_KEY)     # the wrapper the launcher used
+    print("the configuration autotuning kept:", getattr(tuned, "best_config", None))
 """),
 md(r"""
 ### On a GPU: read a profile

@@ -104,7 +104,7 @@ locked("prefill_launch", r'''
 FIXED_PREFILL = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
 PREFILL_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
                    for m, n, warps, stages in ((64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3))]
-PREFILL_TUNE_KEY = ["H", "H_KV", "D", "BLOCK_SIZE", "n_q"]                 # autotuned(...): the split-KV launcher's
+PREFILL_TUNE_KEY = ["H", "H_KV", "D", "BLOCK_SIZE", "n_q"]   # for autotuned(), defined beside the split-KV launcher
 
 
 def paged_prefill(q, k_cache, v_cache, block_table, context_len, scale, out=None):
