@@ -32,7 +32,7 @@ in every serving engine (vLLM, SGLang, TGI), and you will build it today.
 
 **Time:** about 2 hours 25 minutes: 35 minutes of reading, four problems (left padding about 20
 minutes, static batching 30, the scheduler 25, the engine step 30), and 2-5 minutes of running on a
-laptop CPU (about 2 minutes on a GPU). **Hardware:** everything runs on a CPU, with the measurements
+laptop CPU (2-3 minutes on a GPU). **Hardware:** everything runs on a CPU, with the measurements
 sized down there; on a GPU the model runs in bf16 (fp16 on a T4), the workloads are larger, and the
 engine's decode steps can run from CUDA graphs.
 """),
@@ -953,7 +953,7 @@ costs about the same at every size (section 2); there the price is the newcomers
 bigger batch admits more often. Sweep the batch size:
 """),
 code(r"""
-sweep = env.pick([1, 2, 4, 8, 16], [2, 4, 8], cpu=[1, 2, 4, 8])   # quick: no batch of 1 (serial, the slowest run)
+sweep = env.pick([2, 4, 8, 16], [2, 4, 8], cpu=[1, 2, 4, 8])   # GPU, quick: no batch of 1 (serial, the slowest run)
 curves = {"static": [], "continuous": []} | ({"continuous + CUDA graphs": []} if env.gpu else {})
 engines = {"static": static_serve, "continuous": continuous_generate,
            "continuous + CUDA graphs": lambda m, w, b: continuous_generate(m, w, b, graphs=True)}
@@ -982,19 +982,19 @@ Left: continuous batching turns a bigger batch into more tokens per second. Stat
 less, and can even lose: each of its batches runs as long as its longest request, and the bigger the
 batch, the likelier it holds one from the long tail. Right: the price. On a CPU bigger steps take
 longer, so each user's tokens come more slowly as the batch grows; on a GPU the steps cost about the
-same, and what slows a continuous engine's users is the prefills of the newcomers it admits. That is the trade-off `max_batch_size` sets, and engines expose it because the right point
-depends on the service: a chat needs tokens faster than people read, an offline job only cares
-about the total. Compare the two "ms per token" columns too: a continuous step may carry a
-newcomer's prefill, a static step carries rows that have already finished, and which costs more
-depends on your workload and machine. (The mean request
-latency printed above behaves differently. All requests arrive at once, so much of their latency is
-queueing for a slot. For continuous batching, more slots cut it. For static batching they may not:
-every request leaves with its batch's longest member, and when one batch holds every request, each
-one waits for the whole run.) On a busy machine the seconds jump around from run to run; if a curve zigzags,
-run the cell again. The step counts never change. On a GPU, where an eager step of this model is
-launch-bound, a step costs about the same at every size, so the eager curves climb with the batch as
-far as the batches are full (on a small workload they seldom are); the CUDA-graph curve sits above
-them, and is where a server would run.
+same, and what slows a continuous engine's users is the prefills of the newcomers it admits. That is
+the trade-off `max_batch_size` sets, and engines expose it because the right point depends on the
+service: a chat needs tokens faster than people read, an offline job only cares about the total.
+Compare the two "ms per token" columns too: a continuous step may carry a newcomer's prefill, a
+static step carries rows that have already finished, and which costs more depends on your workload
+and machine. (The mean request latency printed above behaves differently. All requests arrive at
+once, so much of their latency is queueing for a slot. For continuous batching, more slots cut it.
+For static batching they may not: every request leaves with its batch's longest member, and when one
+batch holds every request, each one waits for the whole run.) On a busy machine the seconds jump
+around from run to run; if a curve zigzags, run the cell again. The step counts never change. On a
+GPU, where an eager step of this model is launch-bound, a step costs about the same at every size,
+so the eager curves climb with the batch as far as the batches are full (on a small workload they
+seldom are); the CUDA-graph curve sits above them, and is where a server would run.
 
 ### Against Hugging Face `generate`
 

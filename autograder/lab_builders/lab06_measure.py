@@ -366,9 +366,12 @@ On a GPU, the engine of lab 05 runs with your Triton kernels in place of the PyT
 give the same tokens as the contiguous engine of lab 04 and, with a kernel that reads the blocks in
 place, run about as fast or faster. In bf16 or fp16 two kernels that add up the same numbers in a
 different order can break a near-tie between two tokens differently, and from there the texts part:
-over 64 tokens most requests may. The cell prints where they part. A late parting, after many tokens
-that agreed, is a near-tie; a parting at the first tokens points to a bug. In the interpreter a
-forward pass would launch thousands of slow programs per step, so on a CPU this cell only says so.
+over 64 tokens most requests may. Where they part does not tell a near-tie from a bug. This model's
+two best tokens can lie a few hundredths of a logit apart as early as the third new token, and
+bf16 rounds a logit near 20 to steps of 0.125. float32 rounds about 65,000 times finer, so the cell
+runs the six prompts once more in float32: there every request must agree, and one that does not
+points to a bug. In the interpreter a forward pass would launch thousands of slow programs per step,
+so on a CPU this cell only says so.
 """),
 code(r"""
 if not env.gpu:
@@ -393,7 +396,7 @@ else:
     # where each pair that differs parts: its first differing token (a shorter output parts where it ends)
     first_diff = sorted(next(i for i, (x, y) in enumerate(zip(a + [None], b + [-1])) if x != y) for a, b in pairs if a != b)
     print(f"requests with the same tokens as the contiguous engine: {same} of {n_req}"
-          + (f"; the others part at token {first_diff[0]} at the earliest, {first_diff[len(first_diff) // 2]} "
+          + (f"; the others part at new token {first_diff[0] + 1} at the earliest, {first_diff[len(first_diff) // 2] + 1} "
              f"in the median (of {new_tokens})" if first_diff else ""))
     for name, run in runs.items():
         print(f"{name:>30}: {run.throughput:7.1f} tokens/s   (decode steps: {getattr(run, 'graphs', 'eager')})")
@@ -403,6 +406,18 @@ else:
     where = dict(device=torch.cuda.get_device_name(0), dtype=str(env.dtype), requests=n_req, batch=B)
     record("engine_paged_triton_vs_contiguous", ratio, "x", "the paged engine with your kernels runs about as fast as the contiguous one (>= 0.9x on an H100)", **where)
     record("engine_same_tokens", same / n_req, "of requests", "the engine with your kernels gives the contiguous engine's tokens (a near-tie may part them)", **where)
+    if env.dtype != torch.float32:                      # float32 tells a near-tie from a bug
+        model32 = course.load_model(device=env.device, dtype=torch.float32)
+        def each_prompt_once():
+            return [Request(i, tokenizer(t).input_ids, new_tokens) for i, t in enumerate(texts)]
+        n = len(texts)
+        ref32 = contiguous_generate(model32, each_prompt_once(), n, max_len).outputs
+        yours32 = paged_generate(model32, each_prompt_once(), n, n * -(-max_len // 16), 16, **yours).outputs
+        same32 = sum(a == b for a, b in zip(yours32, ref32))
+        print(f"in float32: {same32} of {n} prompts give the contiguous engine's {new_tokens} tokens"
+              + (": the partings above are near-ties" if same32 == n else ": in float32 all must agree, so look for a bug"))
+        record("engine_same_tokens_fp32", same32 / n, "of requests", "in float32 the engine with your kernels gives the contiguous engine's tokens", **dict(where, dtype="torch.float32", requests=n, batch=n))
+        del model32
 """),
 md(r"""
 ## Summary
