@@ -380,8 +380,8 @@ else:
     texts = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
              "def fibonacci(n):", "The three primary colors are", "My trip to Yosemite was", "The quick brown fox"]
     n_req, new_tokens, B = env.pick((32, 64, 16), (8, 16, 8))
-    def workload():
-        return [Request(i, tokenizer(texts[i % len(texts)]).input_ids, new_tokens) for i in range(n_req)]
+    def workload(n=n_req):                          # n requests, the texts in turn
+        return [Request(i, tokenizer(texts[i % len(texts)]).input_ids, new_tokens) for i in range(n)]
     max_len = max(len(r.prompt) for r in workload()) + new_tokens
     n_blocks = B * -(-max_len // 16)
     yours = dict(attention=paged_attention_split, write_kv=store_kv)
@@ -408,11 +408,9 @@ else:
     record("engine_same_tokens", same / n_req, "of requests", "the engine with your kernels gives the contiguous engine's tokens (a near-tie may part them)", **where)
     if env.dtype != torch.float32:                      # float32 tells a near-tie from a bug
         model32 = course.load_model(device=env.device, dtype=torch.float32)
-        def each_prompt_once():
-            return [Request(i, tokenizer(t).input_ids, new_tokens) for i, t in enumerate(texts)]
-        n = len(texts)
-        ref32 = contiguous_generate(model32, each_prompt_once(), n, max_len).outputs
-        yours32 = paged_generate(model32, each_prompt_once(), n, n * -(-max_len // 16), 16, **yours).outputs
+        n = len(texts)                                  # each text once
+        ref32 = contiguous_generate(model32, workload(n), n, max_len).outputs
+        yours32 = paged_generate(model32, workload(n), n, n * -(-max_len // 16), 16, **yours).outputs
         same32 = sum(a == b for a, b in zip(yours32, ref32))
         print(f"in float32: {same32} of {n} prompts give the contiguous engine's {new_tokens} tokens"
               + (": the partings above are near-ties" if same32 == n else ": in float32 all must agree, so look for a bug"))
