@@ -8,6 +8,7 @@ the tokens of one engine. Tiny random models keep it fast; the real model runs o
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -400,3 +401,20 @@ def test_torchrun_three_ranks(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "3 ranks, backend gloo" in done.stdout, done.stdout
     assert float(done.stdout.split("single device| = ")[1].split()[0]) < 1e-3, done.stdout
+
+
+def test_lab12_phase_times_has_blocks_for_every_mode():
+    """Lab 12's prefill/decode timing cell sizes its block pool for its prompt and repeats. On a GPU in
+    full mode (256-token prompts, 3 repeats) a fixed pool of 64 blocks ran out; every mode's sizes must fit."""
+    from autograder.lab_builders.lab12_disagg import CELLS
+    from course.dist.disagg import Engine
+    from course.timing import benchmark
+
+    source = next(c.source for c in CELLS if "def phase_times" in c.source)
+    source = source[source.index("def phase_times"):source.index("PREFILL_S, DECODE_S =")]
+    scope = {"Engine": Engine, "benchmark": benchmark}
+    exec(source, scope)
+    model = tiny(dataclasses.replace(LLAMA, max_seq_len=300))
+    for p_len, repeats in ((256, 3), (128, 3), (64, 1)):               # GPU full, CPU full, quick (env.pick in the cell)
+        prefill_s, decode_s = scope["phase_times"](None, model, (list(range(1, 61)) * 5)[:p_len], repeats)
+        assert prefill_s > 0 and decode_s > 0

@@ -46,8 +46,9 @@ P_LEN = env.pick(256, 64, cpu=128)
 
 def phase_times(comm, model, prompt, repeats):
     """Median seconds of one prefill of `prompt`, and of one decode step of 2 running requests."""
-    engine = Engine(model, n_blocks=64, block_size=16)
-    seqs = iter(range(repeats + 2))                      # each prefill is a new request
+    calls = repeats + 1                                   # the warm-up call, then the timed ones
+    engine = Engine(model, n_blocks=calls * -(-(len(prompt) + calls) // 16), block_size=16)   # every prompt, its decoded tokens
+    seqs = iter(range(calls))                            # each prefill is a new request
     prefill = benchmark(lambda: engine.prefill(next(seqs), prompt), warmup=1, repeats=repeats, device="cpu")
     decode = benchmark(lambda: engine.decode([0, 1], [5, 5]), warmup=1, repeats=repeats, device="cpu")
     return prefill.median, decode.median
