@@ -953,7 +953,7 @@ costs about the same at every size (section 2); there the price is the newcomers
 bigger batch admits more often. Sweep the batch size:
 """),
 code(r"""
-sweep = env.pick([2, 4, 8, 16], [2, 4, 8], cpu=[1, 2, 4, 8])   # GPU, quick: no batch of 1 (serial, the slowest run)
+sweep = env.pick([4, 8, 16], [2, 4, 8], cpu=[1, 2, 4, 8])   # small batches run the slowest (serial) eager steps
 curves = {"static": [], "continuous": []} | ({"continuous + CUDA graphs": []} if env.gpu else {})
 engines = {"static": static_serve, "continuous": continuous_generate,
            "continuous + CUDA graphs": lambda m, w, b: continuous_generate(m, w, b, graphs=True)}
@@ -978,23 +978,30 @@ for ax in (ax1, ax2):
 plt.tight_layout(); plt.show()
 """),
 md(r"""
-Left: continuous batching turns a bigger batch into more tokens per second. Static batching gains
-less, and can even lose: each of its batches runs as long as its longest request, and the bigger the
-batch, the likelier it holds one from the long tail. Right: the price. On a CPU bigger steps take
-longer, so each user's tokens come more slowly as the batch grows; on a GPU the steps cost about the
-same, and what slows a continuous engine's users is the prefills of the newcomers it admits. That is
-the trade-off `max_batch_size` sets, and engines expose it because the right point depends on the
-service: a chat needs tokens faster than people read, an offline job only cares about the total.
-Compare the two "ms per token" columns too: a continuous step may carry a newcomer's prefill, a
-static step carries rows that have already finished, and which costs more depends on your workload
-and machine. (The mean request latency printed above behaves differently. All requests arrive at
-once, so much of their latency is queueing for a slot. For continuous batching, more slots cut it.
-For static batching they may not: every request leaves with its batch's longest member, and when one
-batch holds every request, each one waits for the whole run.) On a busy machine the seconds jump
-around from run to run; if a curve zigzags, run the cell again. The step counts never change. On a
-GPU, where an eager step of this model is launch-bound, a step costs about the same at every size,
-so the eager curves climb with the batch as far as the batches are full (on a small workload they
-seldom are); the CUDA-graph curve sits above them, and is where a server would run.
+Left: continuous batching turns a bigger batch into more tokens per second, as long as a step grows
+more slowly than the batch. Static batching gains less, and can even lose: each of its batches runs as
+long as its longest request, and the bigger the batch, the likelier it holds one from the long tail.
+Right: the price. On a CPU bigger steps take longer, so each user's tokens come more slowly as the
+batch grows; with decode steps in CUDA graphs on a GPU, what slows a continuous engine's users is
+mostly the prefills of the newcomers it admits. That is the trade-off `max_batch_size` sets, and
+engines expose it because the right point depends on the service: a chat needs tokens faster than
+people read, an offline job only cares about the total. Compare the two "ms per token" columns too: a
+continuous step may carry a newcomer's prefill, a static step carries rows that have already finished,
+and which costs more depends on your workload and machine. (The mean request latency printed above
+behaves differently. All requests arrive at once, so much of their latency is queueing for a slot.
+For continuous batching, more slots cut it. For static batching they may not: every request leaves
+with its batch's longest member, and when one batch holds every request, each one waits for the whole
+run.) On a busy machine the seconds jump around from run to run; if a curve zigzags, run the cell
+again. The step counts never change.
+
+On a GPU, set the eager curves beside section 2's sweep, where one decode step of the model cost
+about the same at every batch size. An eager engine step does more than that forward pass: it runs
+the newcomers' prefills, eagerly too, and the engine's own bookkeeping, on a machine where launches,
+not arithmetic, set the time. Your "ms per token" columns show whether those steps grow with the
+batch; where they grow as fast as the batch, the eager curves stay flat. The CUDA-graph curve replays
+each decode step in one launch: it is the one that shows what a bigger batch buys, and it is where a
+server would run. (The sweep starts at batch 4 on a GPU: its smallest batches are the slowest runs
+of the lab.)
 
 ### Against Hugging Face `generate`
 
