@@ -59,7 +59,7 @@ tensor up front and give each request a **slot** in it, a row with room for `max
   slots, at different lengths: that is what continuous batching will need.
 
 It is our from-scratch decoder (`course/models/decoder.py`) with the cache threaded through
-attention; `course/engine/runner.py` is about 150 lines, worth a look. Here it generates a few
+attention; `course/engine/runner.py` is about 160 lines, worth a look. Here it generates a few
 tokens for one prompt in slot 2: one **prefill** call over the prompt, then one **decode** call per token.
 """),
 code(r"""
