@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass
 
 QUICK_ENV = "COURSE_QUICK"
+CUDNN_SDPA_ENV = "TORCH_CUDNN_SDPA_DEPRIORITIZED"
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,22 @@ def silence() -> None:
         pass
 
 
+def prefer_flash_attention() -> None:
+    """Ask PyTorch to try FlashAttention and the memory-efficient kernel before cuDNN's attention.
+
+    On an H100 or newer with a recent cuDNN, PyTorch (2.10 and later) tries cuDNN first for
+    `scaled_dot_product_attention`. cuDNN builds an execution plan for each new shape (batch, heads,
+    query and key lengths) the first time it meets it, and keeps it for later calls of that shape.
+    A generate loop meets a new key length at every step. Our eager GPU runs measured the cost:
+    lab 03's cached loop on an H100 took about 56 ms per token the first time it met each length,
+    and 18.5 ms per token on lengths it had met before. Engines avoid planning per shape
+    (FlashAttention's kernels take any length; CUDA graphs fix the shapes). How much of that cost
+    this order takes back has not been measured on a GPU yet. PyTorch reads the variable once, at
+    its first attention call on a GPU, so this must run before any; set it to 0 beforehand to keep
+    PyTorch's own order. Elsewhere (a CPU, an older GPU) it changes nothing."""
+    os.environ.setdefault(CUDNN_SDPA_ENV, "1")
+
+
 def choose_device(device: str | None = None) -> str:
     """'cuda' when a GPU is usable, else 'cpu'. An explicit choice is checked, not trusted."""
     import torch
@@ -103,7 +120,8 @@ def choose_dtype(device: str, dtype=None):
 
 def setup(seed: int = 0, device: str | None = None, quiet: bool = True, verbose: bool = True,
           dtype=None) -> Environment:
-    """Prepare a lab: seeds, silence, device, model dtype, Triton mode. Returns an `Environment`.
+    """Prepare a lab: seeds, silence, device, model dtype, Triton mode, and on a GPU the order of the
+    attention kernels (`prefer_flash_attention`). Returns an `Environment`.
 
     Call it before anything imports Triton kernels: without a GPU it sets TRITON_INTERPRET=1,
     which Triton reads when `@triton.jit` runs, so kernels run (slowly) in the interpreter.
@@ -116,6 +134,8 @@ def setup(seed: int = 0, device: str | None = None, quiet: bool = True, verbose:
     interpreted = not dev.startswith("cuda")
     if interpreted:
         os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        prefer_flash_attention()
     seed_everything(seed)
     env = Environment(device=dev, quick=quick_mode(), triton_interpreted=interpreted, seed=seed,
                       dtype=choose_dtype(dev, dtype))

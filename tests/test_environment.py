@@ -23,6 +23,19 @@ def test_setup_seeds_every_rng_and_prints_one_line(capsys, monkeypatch):
     assert len(line.splitlines()) == 1 and "torch" in line and "quick mode" in line and "seed 7" in line
 
 
+def test_setup_puts_cudnn_attention_last_only_on_a_gpu_and_respects_a_choice(monkeypatch):
+    from course.environment import CUDNN_SDPA_ENV, prefer_flash_attention
+
+    monkeypatch.delenv(CUDNN_SDPA_ENV, raising=False)
+    course.setup(device="cpu", verbose=False)
+    assert CUDNN_SDPA_ENV not in os.environ, "on a CPU setup() leaves PyTorch's attention order alone"
+    prefer_flash_attention()                      # what setup() does on a GPU, before any attention call
+    assert os.environ[CUDNN_SDPA_ENV] == "1"
+    monkeypatch.setenv(CUDNN_SDPA_ENV, "0")       # a student who wants PyTorch's own order keeps it
+    prefer_flash_attention()
+    assert os.environ[CUDNN_SDPA_ENV] == "0"
+
+
 def test_pick_sizes_demos_by_mode_and_device():
     cpu_full, cpu_quick = Environment("cpu", False, True, 0), Environment("cpu", True, True, 0)
     gpu = Environment("cuda", False, False, 0)
