@@ -77,9 +77,22 @@ def test_other_tokens_row():
 
 
 def test_survivors_sum_to_one():
-    before, after = survivors(process, LOGITS, 0.7, 2, 1.0)
+    before, after, kept = survivors(process, LOGITS, 0.7, 2, 1.0)
     assert math.isclose(before.sum().item(), 1, abs_tol=1e-6) and math.isclose(after.sum().item(), 1, abs_tol=1e-6)
-    assert (after > 0).sum() == 2
+    assert (after > 0).sum() == 2 and kept.tolist() == [True, True, False, False, False, False]
+
+
+def test_underflowing_probabilities_are_kept_not_cut():
+    # at temperature 0.3 the last token's logit is -400 below the top: its float32 probability is 0,
+    # but no truncation is on, so it survives (survival is read from the logits, not the probabilities)
+    logits = torch.tensor([0.0, -1.0, -2.0, -120.0])
+    before, after, kept = survivors(process, logits, 0.3, 0, 1.0)
+    assert after[3].item() == 0.0, "self-check: the probability underflows"
+    assert kept.all(), "top-k and top-p off: every token survives"
+    w = sampling_explorer(logits, lambda i: f"t{i}", process, temperatures=(0.3,), top_ks=(0, 2), top_ps=(1.0,))
+    html = w.html_at(temperature=0.3, top_k=0, top_p=1.0)
+    assert "4 of 4 tokens survive" in html and "→ cut" not in html and "line-through" not in html
+    assert "2 of 4 tokens survive" in w.html_at(temperature=0.3, top_k=2, top_p=1.0)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -33,9 +33,9 @@ one can cost far more than running them. Engines capture the step in a **CUDA gr
 
 **Time:** about 2 hours: 35 minutes of reading, four problems (the FLOP and byte count about 30
 minutes, the graph 20, the streaming generator and its metrics 25, the memory budget 15), and
-3-5 minutes of running on a laptop CPU (about 2 minutes on a GPU). **Hardware:** everything runs on
-a CPU. On a GPU the same cells use it, with the model in bf16 (fp16 on a T4), the roofline from
-the GPU's datasheet for that dtype, and two measurements only a GPU can make (real CUDA graphs,
+3-5 minutes of running on a laptop CPU (about 1-1.5 minutes on a GPU). **Hardware:** everything
+runs on a CPU. On a GPU the same cells use it, with the model in bf16 (fp16 on a T4), the roofline
+from the GPU's datasheet for that dtype, and two measurements only a GPU can make (real CUDA graphs,
 `torch.compile`). Timings depend on your machine and on what else runs on it: read your own
 numbers, not ours.
 '''))
@@ -463,8 +463,10 @@ ax.set_title("Llama-2-7B in fp16 on datacenter GPUs (hollow: the best each could
 plt.show()
 for name, (intensity, _) in gpu_points.items():
     print(f"{name:22} {intensity:7.1f} FLOP/byte: at most {h100.attainable(intensity) / h100.flops:6.1%} of an H100's compute")
-print(f"An H100 needs about {h100.ridge:.0f} FLOPs per byte: a prefill of about that many tokens. A decode batch needs more "
-      "sequences than that, and at long contexts no batch is enough (next plot).")
+ceiling = forward_cost(llama2_7b, 1, 128, batch=10**6, **fp16)["intensity"]   # a million sequences: as if unlimited
+print(f"An H100 needs about {h100.ridge:.0f} FLOPs per byte: a prefill of about that many tokens. For a decode batch "
+      f"the per-sequence KV reads get in the way: with this model's 32 KV heads, even a million sequences at a context "
+      f"of 128 reach only {ceiling:.0f} FLOP/byte (next plot).")
 '''))
 
 add(md(r'''
@@ -569,8 +571,10 @@ Stop after `max_new_tokens` tokens, or right after yielding `eos_token_id` (it i
 starts is fine) unless `input_ids` has shape `(1, T)` with `T >= 1` and `max_new_tokens >= 0`.
 
 **Deliverable 2:** `request_metrics(start, token_times)` returns `{"ttft": float, "itl": list of floats,
-"tpot": float, "throughput": float}` as defined above, from timestamps in seconds. Raise `ValueError`
-if there are no token times, if they decrease, or if the first one is not after `start`.
+"tpot": float, "throughput": float}` as defined above, from timestamps in seconds. `token_times` may be
+any sequence of numbers (a list, a tuple or a NumPy array): convert each with `float(t)` first, and
+return Python floats. Raise `ValueError` if there are no token times, if they decrease, or if the
+first one is not after `start`.
 '''))
 
 add(solution("stream_generate", r'''
@@ -727,6 +731,8 @@ assert len(m["itl"]) == 3, "ITL: one gap between each pair of consecutive tokens
 assert all(abs(a - b) < 1e-9 for a, b in zip(m["itl"], [0.2, 0.2, 0.4])), f"ITL should be [0.2, 0.2, 0.4], got {m['itl']}"
 assert abs(m["tpot"] - 0.8 / 3) < 1e-9, f"TPOT = mean ITL = 0.8 s / 3, got {m['tpot']}"
 assert abs(m["throughput"] - 4 / 1.3) < 1e-9, f"throughput = 4 tokens / 1.3 s since start, got {m['throughput']}"
+m = metrics(10.0, np.array([10.5, 10.7, 10.9, 11.3]))   # a NumPy array: float(t) each time, return Python floats
+assert abs(m["tpot"] - 0.8 / 3) < 1e-9, f"the same times as a NumPy array give the same TPOT, 0.8 s / 3; got {m['tpot']}"
 ### BEGIN HIDDEN TESTS
 one = metrics(2.0, [2.25])
 assert abs(one["ttft"] - 0.25) < 1e-12 and list(one["itl"]) == [], "one token: TTFT only, no gaps"
@@ -801,17 +807,22 @@ for name, m in (("no cache (yours)", ours), ("KV cache (generate)", cached)):
 '''))
 
 add(md(r'''
-Both loops start the same way: the first token needs a forward pass over the whole prompt, so the
-two TTFTs are close. After that they part, or should. `generate` keeps the keys and values of every
-earlier token, so each decode step feeds the model one token, and its ITL stays flat. Your loop has
-no cache: every decode step is a new prefill of the whole sequence so far. On a CPU that shows at
-once: each ITL costs about a TTFT. It also grows with the text, but each step adds one token to a
-prompt of dozens or hundreds: over a short run the growth can hide in the noise. On a GPU, at this
-model size, it may hardly show: a forward pass over a few hundred tokens launches the same thousand
-kernels as a pass over one, and section 3 showed that the launches are the step. Your line "no cache
-(yours)" says which case you are in. Either way, the decode phase is cheap only because of the KV
-cache, once the work (not the launches) sets the pace. **Lab 03: you add it to the from-scratch
-model.**
+Both loops start the same way: the first token needs a forward pass over the whole prompt. After
+that they part, or should. `generate` keeps the keys and values of every earlier token, so each
+decode step feeds the model one token. Your loop has no cache: every decode step is a new prefill of
+the whole sequence so far.
+
+On a CPU, where the work sets the pace, that is what your table shows: the two TTFTs are
+close, the cached ITL stays flat and well below yours, and each of your ITLs costs about a TTFT.
+Yours also grows with the text, but each step adds one token to a prompt of dozens or hundreds: over
+a short run the growth can hide in the noise. On a GPU, at this model size, both loops are
+launch-bound (section 3): a forward pass over a few hundred tokens launches the same thousand
+kernels as a pass over one. Then the Python around the kernels decides. `generate` runs more of it
+per step than our lean model (attention masks, its cache object, logits processors), and an eager
+GPU step can also be slow the first time it meets a new sequence length, so generate's TTFT, and
+even its ITL, can come out above your loop's. Your table says which case you are in. Either way, the
+decode phase is cheap only because of the KV cache, once the work (not the launches) sets the pace.
+**Lab 03: you add it to the from-scratch model.**
 
 ## Problem 4: The memory budget (2.5 points)
 
@@ -1028,7 +1039,8 @@ values: lab 10), and prefills split into chunks, which bound the activation peak
   decode step spends it on one token per sequence. At batch 1, decode does about 2 FLOPs per weight
   for `bytes_per_param` bytes per weight: an intensity near 1 FLOP/byte in fp16, far left of any
   GPU's ridge. **On the roofline, decode is memory-bound; a prefill becomes compute-bound once its
-  prompt is longer than the ridge point: tens of tokens on a CPU, a few hundred on a GPU.**
+  intensity (about the prompt length in bf16/fp16, half of it in fp32) passes the ridge point: a few
+  tens of tokens on a CPU, a few hundred on a GPU.**
 - **Batching** decode shares each weight read across sequences and raises the intensity, until
   the per-sequence KV reads dominate at long contexts.
 - The roofline leaves out the cost of **handing out the work**. A decode step of a small model is
@@ -1038,8 +1050,9 @@ values: lab 10), and prefills split into chunks, which bound the activation peak
   kernels with one launch; engines keep one graph per batch-size bucket. On a CPU, where the ops
   themselves take the time, there is nothing comparable to win.
 - Users feel **TTFT** (prefill, plus queueing) and **TPOT** (decode speed); operators care about
-  **throughput**. A larger batch raises throughput and each request's TPOT: the throughput-latency
-  trade-off every scheduler tunes.
+  **throughput**. A larger batch raises throughput and, once the step's own work grows (at once on a
+  CPU, only at large batches on a GPU), each request's TPOT: the throughput-latency trade-off every
+  scheduler tunes.
 - Memory holds weights, a KV cache that grows with batch × context, and activations that peak
   during prefill. The KV cache, not the weights, limits the batch size.
 

@@ -331,9 +331,10 @@ code(r'''
 from course.report import record
 
 graphed = GraphedStep(model, 1)
-t_eager = benchmark(lambda: model(step_ids, step_pos), warmup=1, repeats=repeats, device=env.device).median  # again, now
-t_graph = benchmark(lambda: graphed(step_ids, step_pos), warmup=2, repeats=repeats, device=env.device).median
-results = {"eager": t_eager, "your CUDA graph" if env.gpu else "your graph (CPU stand-in)": t_graph}
+eager_timing = benchmark(lambda: model(step_ids, step_pos), warmup=1, repeats=repeats, device=env.device)  # again, now
+graph_timing = benchmark(lambda: graphed(step_ids, step_pos), warmup=2, repeats=repeats, device=env.device)
+t_eager, t_graph = eager_timing.median, graph_timing.median
+results = {"eager": eager_timing, "your CUDA graph" if env.gpu else "your graph (CPU stand-in)": graph_timing}  # Timings
 if env.gpu and not env.quick:
     try:
         compiled = torch.compile(model, mode="reduce-overhead")
@@ -343,7 +344,7 @@ if env.gpu and not env.quick:
                 compiled(step_ids, step_pos)
         compile_s = clock(env.device) - start
         results["torch.compile (reduce-overhead)"] = benchmark(lambda: compiled(step_ids, step_pos), warmup=2,
-                                                               repeats=repeats, device=env.device).median
+                                                               repeats=repeats, device=env.device)
         print(f"torch.compile took {compile_s:.0f} s before its first fast step")
     except Exception as e:  # noqa: BLE001 - a GPU without a working compiler still gets the rest
         print(f"torch.compile did not run here ({type(e).__name__}: {str(e)[:120]})")
@@ -354,20 +355,21 @@ else:
           "to remove launch overhead that your profile shows is a small share of a CPU step.")
 
 print(f"\none decode step, batch 1, {WHERE}; roofline bound {bound['decode step'] * 1e3:.3f} ms")
-for name, seconds in results.items():
-    print(f"  {name:34} {seconds * 1e3:9.2f} ms  {t_eager / seconds:6.1f}x eager")
+for name, timing in results.items():                 # median, then the fastest and slowest of the runs
+    print(f"  {name:34} {timing.median * 1e3:9.2f} ms  {t_eager / timing.median:6.1f}x eager   "
+          f"(runs {min(timing.runs) * 1e3:.2f} to {max(timing.runs) * 1e3:.2f} ms, spread {timing.spread:.0%})")
 record("decode_step_eager_ms", t_eager * 1e3, "ms", "an eager decode step, batch 1", device=env.device, dtype=DTYPE)
 record("decode_step_graph_ms", t_graph * 1e3, "ms", "the same step replayed from a CUDA graph", device=env.device, dtype=DTYPE)
 record("graph_speedup", t_eager / t_graph, "x", "on a GPU the graph replays the step several times faster than eager; "
-       "on a CPU about 1x (no launches to remove)", device=env.device, dtype=DTYPE)
+       "on a CPU about 1x (no launches to remove), a third either way on a busy machine", device=env.device, dtype=DTYPE)
 record("launch_share", share, "", "launches are most of a GPU step and a small share of a CPU step",
        device=env.device, dtype=DTYPE)
 if "torch.compile (reduce-overhead)" in results:
-    record("decode_step_compile_ms", results["torch.compile (reduce-overhead)"] * 1e3, "ms",
+    record("decode_step_compile_ms", results["torch.compile (reduce-overhead)"].median * 1e3, "ms",
            "torch.compile(mode='reduce-overhead'), batch 1", device=env.device, dtype=DTYPE)
 
 fig, ax = plt.subplots(figsize=(8, 2.4), layout="constrained")
-ms = [s * 1e3 for s in results.values()] + [bound["decode step"] * 1e3]
+ms = [timing.median * 1e3 for timing in results.values()] + [bound["decode step"] * 1e3]
 ax.barh(list(results), ms[:-1], color=["C3", "C0", "C2"][:len(results)])
 ax.axvline(ms[-1], color="gray", ls="--", label="roofline bound")
 ax.set_xscale("log"); ax.set_xlim(min(ms) / 2, max(ms) * 1.5); ax.invert_yaxis()
@@ -382,9 +384,11 @@ kernels themselves, a thousand or so, each a microsecond or a few even with nobo
 Python, still far above the roofline bound. `torch.compile` goes further (your third line, in full
 mode) because it attacks that remainder: it **fuses** runs of small ops into fewer, generated
 kernels, then replays those from graphs too, after a compile of tens of seconds. **On a CPU** your graph is the stand-in: it reruns the same ops one by one from
-Python (it skips the modules' Python code, but copies every result into its static buffer), so its
-time is about eager's, give or take the noise of your machine. That is not a failure of the idea:
-your profile showed that a CPU step spends its time in the work, not in launching it.
+Python (it skips the modules' Python code, but copies every result into its static buffer), so it
+should take about eager's time. On a busy machine two medians of the same work can still differ by a
+third either way: read the range of runs you printed next to each median, and count a gap smaller
+than those ranges as noise. That is not a failure of the idea: your profile showed that a CPU step
+spends its time in the work, not in launching it.
 
 Every serving engine runs its decode steps this way on a GPU: vLLM, SGLang and nano-vllm capture
 one graph per batch-size bucket at start-up (1, 2, 4, 8, 16, ...), pad each decode batch up to the

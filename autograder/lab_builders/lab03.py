@@ -912,18 +912,21 @@ model, decides how many requests an engine can serve at once (labs 04 and 05).
 
 ## 4. Measure: what the cache buys
 
-Time both loops on the same prompt for a growing number of new tokens (median of a few runs after a
-warm-up, with `course.timing.benchmark`). In float32 both produce the same tokens; in 16-bit floats on a
-GPU they can part after a near-tie. The work per token is what differs.
+Time both loops on the same prompt for a growing number of new tokens: one timed run per length (the
+uncached loop takes minutes at 256 tokens on a CPU). Each loop first runs once untimed, at the longest
+length on a GPU, where an eager step is slow the first time it meets a new length, and over 4 tokens
+on a CPU. In float32 both loops produce the same tokens; in 16-bit floats on a GPU they can part after a
+near-tie. The work per token is what differs.
 
 On a GPU a third loop runs beside them: the same cache the way engines run it, with its decode
 step captured in a CUDA graph (lab 02). `course.engine.graphs.GreedyEngine` preallocates the cache
 (lab 04's slot cache: room for `max_len` tokens, no `torch.cat`), runs the prompt eagerly, then
 replays one captured decode step per token. Its step also runs fewer ops than yours: one matmul for
 q, k and v together and one for gate and up (their weights stacked; they read the same input), q and
-k rotated together, GQA without repeating K/V, the mask built once per step and not once per layer
-(`course/engine/runner.py`). It pays for its preallocated cache with a write and a read by index
-(`index_put_`, `index`) where yours concatenates (`cat`). Count them first:
+k rotated together, GQA without repeating K/V, the mask, where one is needed, built once per step
+instead of once per layer (a one-token decode of yours needs none; `course/engine/runner.py`). It
+pays for its preallocated cache with a write and a read by index (`index_put_`, `index`) where yours
+concatenates (`cat`). Count them first:
 `course.timing.count_ops` runs one decode step of each and counts the ops that compute something
 (each at least one kernel on a GPU; views, which only relabel memory, cost none). Then time the
 loops. The engine needs a GPU to be worth timing: on a CPU its graph is lab 02's stand-in, which
@@ -957,13 +960,13 @@ from course.timing import benchmark, clock
 WHERE = f"{env.device}, {str(env.dtype).removeprefix('torch.')}"
 lengths = env.pick([16, 64, 256], [8, 16], cpu=[16, 32, 64, 128, 256])
 repeats = 1                                      # the uncached loop at 256 tokens takes minutes on a CPU: one run
-greedy_generate(model, prompt_ids, 4); cached_generate(cmodel, prompt_ids, 4)   # warm-up
 loops = {"no cache": lambda n: greedy_generate(model, prompt_ids, n),
          "your cache": lambda n: cached_generate(cmodel, prompt_ids, n)}
 if env.gpu:
     engine = GreedyEngine(model, max_len=T0 + max(lengths))                     # captures its decode graph once
-    engine(prompt_ids, 4)                                                        # warm-up
     loops["cache + CUDA graph"] = lambda n: engine(prompt_ids, n)
+for run in loops.values():   # warm-up; on a GPU an eager step is slow the first time it meets a length: meet them all
+    run(max(lengths) if env.gpu else 4)
 times = {name: [] for name in loops}
 for n in lengths:
     for name, run in loops.items():
@@ -1072,6 +1075,7 @@ if env.gpu and not env.quick:
     # cache outside the compiler, so transformers can mark its tensors as fixed addresses for the graphs.
     if HF_COMPILE:
         from torch._dynamo.utils import counters    # what the compiler did: graphs compiled, CUDA graphs skipped
+        counters.clear()                              # process-wide: count this run's graphs only
         optional_start = clock(env.device)
         try:
             start = clock(env.device)

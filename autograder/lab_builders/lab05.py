@@ -80,10 +80,11 @@ print(f"{n_requests} requests; prompt tokens: median {np.median(prompt_lens):.0f
 
 
 def simulate(prompt_lens, output_lens, max_batch, on_step):
-    """Continuous batching over sizes only. Each step: waiting requests join while there is room,
-    each running request writes one more token, finished ones leave. `on_step(events)` sees every
-    step's events: ("join", rid, n_tokens), ("grow", rid, 1) and ("leave", rid, 0), and the running
-    requests' current and final lengths."""
+    """Continuous batching over sizes only. Each step: each running request writes one more token,
+    then waiting requests join while there is room. `on_step(events, state)` sees every step:
+    `events` lists ("grow", rid, 1) and ("join", rid, n_prompt_tokens); `state` maps each running
+    rid to (its length now, its final length). There is no "leave" event: a request whose length
+    has reached its final length leaves right after `on_step`, so `on_step` frees it then."""
     waiting, running, step = deque(range(len(prompt_lens))), {}, 0
     while waiting or running:
         events = []
@@ -1058,8 +1059,9 @@ for name, run in runs.items():
     print(f"{name:>40}: {run.throughput:7.1f} tokens/s  [{run.graphs}]")
 ratio = runs["paged (your reference)"].throughput / runs["contiguous"].throughput
 print(f"paged with your reference, eager: {ratio:.2f}x the contiguous engine's throughput")
-record("paged_ref_vs_contiguous_eager", ratio, "x", "paging with a per-sequence PyTorch gather costs throughput "
-       "(both engines eager)", device=dev, dtype=env.dtype)
+record("paged_ref_vs_contiguous_eager", ratio, "x", "both engines eager: in full mode, paging with a per-sequence "
+       "PyTorch gather costs throughput (below 1x); quick mode's few short requests are mostly prefill, where "
+       "noise can hide the cost or reverse it", device=dev, dtype=env.dtype)
 if env.gpu:
     r_graph = runs["paged (batched attention) + CUDA graphs"].throughput / runs["contiguous + CUDA graphs"].throughput
     print(f"with CUDA graphs: paged (batched attention) {r_graph:.2f}x the contiguous engine's throughput")
@@ -1083,7 +1085,7 @@ for name, fn in (("your paged_attention_ref", paged_attention_ref), ("course.eng
         StepGraph(dev).capture(lambda: fn(q, kc, vc, tables, lens, cfg.head_dim ** -0.5))
         print(f"{name}: captured")
     except GraphCaptureError as e:
-        print(f"{name}: cannot be captured. {str(e)[:160]}")
+        print(f"{name}: cannot be captured. {e}")
 """),
 md(r"""
 A reference that loops over the sequences and reads each one's length on the host (`int(...)`)
@@ -1095,9 +1097,10 @@ them too.)
 
 Read your rows. Eager on a CPU, your ratio is the price of the per-sequence gather and its copies,
 which are real work there (usually a loss of a few to a few tens of percent; with very few requests,
-as in quick mode, the noise of a busy machine can hide it). On a GPU, the eager rows mostly measure kernel launches: a decode step of
-this model is launch-bound (lab 02), and your reference adds a Python loop and a host read per
-sequence and layer. With graphs, each engine's decode step is one replay, faster by the launches it
+as in quick mode, the run is mostly prefill, and the noise of a busy machine can hide the cost or
+even reverse it). On a GPU, the eager rows mostly measure kernel launches: a decode step of this
+model is launch-bound (lab 02), and your reference adds a Python loop and a host read per sequence
+and layer. With graphs, each engine's decode step is one replay, faster by the launches it
 no longer pays (your rows say how much; in a short run the prefills, which stay eager, weigh more),
 and what remains is the kernels' own cost.
 

@@ -759,7 +759,7 @@ def sampled_generate(model, prompts: list[list[int]], params: list[SamplingParam
 code(r"""
 fox = tokenizer("The quick brown fox jumps over the").input_ids
 for q in (SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=2)):
-    print(q.seed, repr(tokenizer.decode(sampled_generate(model, [fox], [q], 12)[0])))
+    print(q.seed, repr(tokenizer.decode(sampled_generate(model, [fox], [q], 12, eos_token_id=EOS)[0])))   # stops at EOS
 """),
 tests("sampled_generate_tests", 2, r"""
 from course.engine.sampler import sample as course_sample

@@ -26,7 +26,8 @@ spec_trace(runs, lambda t: tokenizer.decode([t]), prompt=trace_prompt)
 md(r"""
 Where does the trained draft fail? Often on the first token of a new idea (a name, a number, a
 rare word: the draft's head does not even have most rare tokens) and rarely inside a common phrase.
-Prompt lookup proposes nothing at first, then shines once the text starts to repeat itself.
+Prompt lookup proposes nothing until the text repeats itself; this story barely does, so it rarely
+has a draft and almost never hits. The repeating prompts at the end of section 6 show where it shines.
 
 ## 6. Measure
 
@@ -210,16 +211,18 @@ print("\nsampled with speculative decoding:", repr(measure_texts[0] + tokenizer.
 """),
 md(r"""
 Prompt lookup's one-hot $q$ is accepted only with probability $p(x)$, the target's own probability
-of the copied token: far below its greedy acceptance unless the target is sure. (A speedup above 1x
-at 1.00 tokens per pass is noise: no pass was saved. Rerun the cell.)
+of the copied token: below its greedy acceptance, by how much depends on how sure the target is of
+what it copies (compare with your greedy table). (A speedup above 1x at 1.00 tokens per pass is
+noise: no pass was saved. Rerun the cell.)
 
 ### Real pairs, if you choose to download them
 
 Our draft was cut out of its target. The usual pair is two models of one family, trained apart, with
 one tokenizer: SmolLM2-135M drafting for SmolLM2-360M, or distilgpt2 (6 layers) for gpt2 (12). The
-next cell measures their greedy acceptance rate with your `speculative_generate`. It downloads four
-models from the Hugging Face hub (about 1.9 GB in all), so it runs only if you set `DOWNLOAD = True`
-and the hub can be reached (Colab, most laptops); offline, as on the grading machine, it says so.
+next cell measures their greedy acceptance rate with your `speculative_generate`. SmolLM2-135M is
+the course's own model; the other three (SmolLM2-360M, gpt2 and distilgpt2) come from the Hugging
+Face hub (about 1.6 GB in all), so it runs only if you set `DOWNLOAD = True` and the hub can be
+reached (Colab, most laptops); offline, as on the grading machine, it says so.
 Compare with the 4-block draft: a separately trained small model usually agrees with its big sibling
 far more often, at a higher cost per draft token.
 """),
@@ -234,10 +237,10 @@ def pair_acceptance(target_name: str, draft_name: str, gamma: int = 4):
              for s in speculative_generate(target, drafter, tok(text).input_ids, new_tokens, gamma)[1]]
     return trace_stats(steps)
 
-DOWNLOAD = False   # True: fetch SmolLM2-360M and -135M, gpt2 and distilgpt2 from the hub (about 1.9 GB)
+DOWNLOAD = False   # True: fetch SmolLM2-360M, gpt2 and distilgpt2 from the hub (about 1.6 GB; -135M is the course's)
 for big, small in (("smollm2-360m", "smollm2-135m"), ("gpt2", "distilgpt2")):      # (target, draft)
     if not DOWNLOAD:
-        print(f"{small} drafting for {big}: not run (set DOWNLOAD = True to fetch the two models)")
+        print(f"{small} drafting for {big}: not run (set DOWNLOAD = True to run it)")
         continue
     try:
         st = pair_acceptance(big, small)

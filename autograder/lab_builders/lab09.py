@@ -153,24 +153,30 @@ print(f"{len(prompts)} prompts, {total} prompt tokens; the system prompt is {sys
 print(f"{repeated} prompt tokens ({100 * repeated / total:.0f}%) were computed before, by an earlier request")
 
 question_only = prompts[0][sys_len:]
-with torch.inference_mode():
-    t_full = benchmark(lambda: model(torch.tensor([prompts[0]], device=dev), torch.arange(len(prompts[0]), device=dev)[None]),
-                       repeats=env.pick(5, 2), device=dev)
-    t_question = benchmark(lambda: model(torch.tensor([question_only], device=dev), torch.arange(len(question_only), device=dev)[None]),
-                           repeats=env.pick(5, 2), device=dev)
-print(f"prefill of the whole prompt ({len(prompts[0])} tokens): {1e3 * t_full.median:.0f} ms; "
-      f"of the question alone ({len(question_only)} tokens): {1e3 * t_question.median:.0f} ms")
-print(f"the system prompt's share of this prompt's prefill time: {1 - t_question.median / t_full.median:.0%} "
+
+def prefill(ids):
+    """One forward pass over ids with no cache: the prefill of a prompt that shares nothing."""
+    return lambda: model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None])
+
+runs = {"whole": [], "question": []}
+for i in range(env.pick(10, 6)):          # alternated: a busy moment of the machine hits both alike
+    for key, ids in (("whole", prompts[0]), ("question", question_only)):
+        runs[key].append(benchmark(prefill(ids), warmup=int(i == 0), repeats=1, device=dev).median)
+t_full, t_question = min(runs["whole"]), min(runs["question"])   # the fastest run: the least disturbed
+print(f"prefill of the whole prompt ({len(prompts[0])} tokens): {1e3 * t_full:.0f} ms; "
+      f"of the question alone ({len(question_only)} tokens): {1e3 * t_question:.0f} ms")
+print(f"the system prompt's share of this prompt's prefill time: {1 - t_question / t_full:.0%} "
       f"({dev}, {str(model.dtype).removeprefix('torch.')})")
 '''),
 md(r"""
-Those are your numbers. On a CPU the prefill's time grows with its tokens, but not in proportion:
-every pass also pays a fixed cost, because it reads all the weights however few the tokens are. The
-last line is the share of this prompt's prefill time spent on tokens that an earlier request already
-computed: the most the cache can save here. On a GPU a prompt of a few hundred tokens may
-take about as long as a short one: this small model's forward pass is bound by launching its kernels
-(lab 02), not by the tokens, so the cache saves work there but little time until prompts are long
-or many requests share the GPU. Read your share before you expect a speedup below.
+Those are your numbers, each the fastest of a few alternated runs. On a CPU the prefill's time
+grows with its tokens, but not in proportion: every pass also pays a fixed cost, because it reads
+all the weights however few the tokens are. The last line is the share of this prompt's prefill time
+spent on tokens that an earlier request already computed: roughly the most the cache can save here
+(the time-to-first-token cells below measure the real saving). On a GPU a prompt of a few hundred
+tokens may take about as long as a short one: this small model's forward pass is bound by launching
+its kernels (lab 02), not by the tokens, so the cache saves work there but little time until prompts
+are long or many requests share the GPU. Read your share before you expect a speedup below.
 
 The keys and values of a token depend only on the tokens before it (causal attention), so the same prefix gives the same keys and values, whoever sends it.
 Keeping them is all prefix caching does. The hard parts are finding them fast, sharing them safely,
@@ -185,9 +191,9 @@ gets that cheaply with a **chain**: the hash of block `i` is the hash of (hash o
 tokens of block `i`).
 
 ```
-tokens:  [The cat sat on] [the mat and  ] [slept  .   ]        block_size = 4
+tokens:  [The cat sat on] [the mat and slept] [.          ]        block_size = 4
 hash 0 = H(None,   (The, cat, sat, on))
-hash 1 = H(hash 0, (the, mat, and, ...))      <- covers all 8 tokens, through hash 0
+hash 1 = H(hash 0, (the, mat, and, slept))      <- covers all 8 tokens, through hash 0
 (no hash for the last block: it is not full yet, and its keys and values will still grow)
 ```
 

@@ -468,11 +468,12 @@ record("prefix_cache_ttft_speedup_graph", slot_times["no cache"] / slot_times[gr
 '''),
 md(r"""
 Read the three lines. On a CPU the eager line beats the whole prompt, though by less than the share
-of the prompt the cache holds: each pass keeps its fixed cost. The graph line comes out close to the
-eager one, a little behind or ahead with the noise: it computes `W` tokens, not just the question's,
-and the stand-in saves no launches (a CPU has none to save). On a GPU the eager line comes out close
-to the whole prompt's, or even below it, and the graph line shows what the saved tokens are worth
-once the launches are gone: there, prefix caching pays through the graph.
+of the prompt the cache holds: each pass keeps its fixed cost. On a CPU the graph line comes out no
+better than the eager one, and usually behind it: it computes all `W` tokens, more than the
+question's, and the stand-in saves no launches (a CPU has none to save). On a GPU the eager line's
+time comes out close to the whole prompt's (a ratio near 1x, a little above or below it with the
+noise), and the graph line shows what the saved tokens are worth once the launches are gone: there,
+prefix caching pays through the graph.
 """),
 md(r"""
 ### A multi-turn chat
@@ -524,8 +525,9 @@ md(r"""
 Without the cache, the prompt tokens computed grow with the whole conversation at every turn: the total
 work grows with the square of the number of turns. With it, each turn computes only its new message,
 the last token of the previous answer and the partial blocks around them. On a CPU the prefill time
-follows the tokens. On a GPU, at these lengths, it follows them only loosely: an eager pass is
-launch-bound (lab 02), so the cache saves far less time than it saves tokens. Each time in the table
+grows with the tokens, on top of a fixed cost per pass, so the cache saves less time than tokens. On
+a GPU, at these lengths, it follows them only loosely: an eager pass is launch-bound (lab 02), so the
+cache saves far less time than it saves tokens. Each time in the table
 is a single run, so read it with some noise in mind. The cell runs the whole chat twice, through
 fresh engines each time, and shows only the second run's times. The reason is the one the
 time-to-first-token cell gave: on a GPU, the first pass at a new size can include loading the kernels

@@ -200,9 +200,10 @@ compute: that is what `dequantize` does.
 **Deliverable:** `quantize_fp8(x, dims)`: returns `(codes, scale)` like Problem 4, with `codes` of dtype
 `torch.float8_e4m3fn` = `x / scale` clamped to [-448, 448], and `scale = max |x| / 448` over `dims`,
 float32, keepdim (1.0 where that max is 0). Clamp even though the scale should keep you in range: a
-rounding error can push `x / scale` just past 448, and while the PyTorch you run probably saturates
-to 448 (the next cell casts 1000), older releases and many other converters and kernels turn an
-out-of-range number into NaN (e4m3fn has no infinity).
+rounding error can push `x / scale` just past 448, and whether a cast past 448 saturates or gives
+NaN depends on the PyTorch release (the next cell casts 1000 without a clamp and shows what yours
+does); many other converters and kernels turn an out-of-range number into NaN (e4m3fn has no
+infinity).
 """),
 solution("quantize_fp8", r'''
 FP8_MAX = 448.0                                       # the largest float8_e4m3fn number
@@ -263,7 +264,9 @@ print(f"native fp8 math on this device: {fp8_native(dev)}"
       + ("" if fp8_native(dev) else " (fp8 is stored here and converted to float32 to compute: emulated)"))
 grid = torch.tensor([0.001, 0.01, 0.1, 0.3, 1.0, 3.14159, 100.0, 447.0, 1000.0], device=dev)
 print("x            ", [f"{v:.4g}" for v in grid.tolist()])
-print("as e4m3      ", [f"{v:.4g}" for v in grid.clamp(-448, 448).to(torch.float8_e4m3fn).float().tolist()])
+print("clamped, e4m3", [f"{v:.4g}" for v in grid.clamp(-448, 448).to(torch.float8_e4m3fn).float().tolist()])
+unclamped = torch.tensor([1000.0], device=dev).to(torch.float8_e4m3fn).float().item()
+print(f"1000 cast to e4m3 without a clamp: {unclamped:.4g} (448: your PyTorch saturates; nan: it does not)")
 fp8_formats = {"fp8, a scale per head": (lambda x: quantize_fp8(x, (-1,)), 8, "head"),
                "fp8, no scale (1.0)": (lambda x: (x.clamp(-448, 448).to(torch.float8_e4m3fn), torch.ones_like(x[..., :1])), 8, "tensor")}
 if env.quick:

@@ -271,20 +271,24 @@ speed_formats = {"as loaded (" + str(env.dtype).removeprefix("torch.") + ")": No
                  "int8 per channel": weight_formats["int8 per channel"],
                  "4-bit, groups of 32 (Q4_1)": weight_formats["4-bit, groups of 32 (Q4_1)"]}
 print(f"one token through the model, {dev}, activations in {env.dtype}:")
+t_base = None
 for name, fmt in speed_formats.items():
     qm = model if fmt is None else quantize_linears(model, *fmt)
     t_one = benchmark(lambda: qm(one, pos0), repeats=env.pick(10, 2, cpu=5), device=dev).median
-    print(f"  {name:<28} weights {linear_bytes(qm) / 2**20:6.1f} MiB   {1e3 * t_one:8.1f} ms")
+    t_base = t_base or t_one                                  # the first row: the model as loaded
+    print(f"  {name:<28} weights {linear_bytes(qm) / 2**20:6.1f} MiB   {1e3 * t_one:8.1f} ms"
+          f"   x{t_one / t_base:.1f} the time as loaded")
     del qm
 '''),
 md(r"""
-On a CPU the quantized rows are no faster (the int8 row about even at best, the 4-bit row slower),
-for the same reason as the KV pools: this reference rebuilds a full float weight for every layer at
-every call, reading the codes and then writing and reading more bytes than the float model reads at
-all. Decode is memory-bound, so the speed-up needs kernels that never materialize the float weight:
-llama.cpp's CPU kernels multiply straight from Q4_1 blocks, and GPU kernels such as Marlin (4-bit)
-reach close to the 4x the smaller bytes allow on large models. (On a GPU, a model this small is
-launch-bound anyway: lab 02.)
+On a CPU the quantized rows are slower, the 4-bit row more than the int8 row (the last column says
+by how much), for the same reason as the KV pools: this reference rebuilds a full float weight for
+every layer at every call, reading the codes and then writing and reading more bytes than the float
+model reads at all. Decode is memory-bound, so the speed-up needs kernels that never materialize the
+float weight: llama.cpp's CPU kernels multiply straight from Q4_1 blocks, and GPU kernels such as
+Marlin (4-bit) reach close to the 4x the smaller bytes allow on large models. (On a GPU the quantized
+rows are no faster either: a model this small is launch-bound anyway, lab 02, and dequantizing adds
+launches.)
 
 ## 7. Measure: memory against quality
 

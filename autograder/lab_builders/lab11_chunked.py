@@ -307,8 +307,9 @@ the times at the right. In the chunked grid the documents' prompts are light blu
 over several steps, and the chat rows stay green: they decode at every step. Count the steps too: the
 chunked schedule needs no step of its own for a document, since its chunks ride along with the
 decodes. On a CPU a step that carries a chunk is longer than a plain decode step, but far shorter than
-a whole prefill; on a GPU with eager steps all three can cost about the same (the times at the right
-say which; the end of the next section says why).
+a whole prefill; on a GPU with eager steps they are closer together, but a long prefill still costs
+several decode steps: the times at the right say how many (the end of the next section says why they
+are closer).
 
 ### Measure: the tail of the inter-token latency, and what it costs
 
@@ -343,17 +344,20 @@ pf, ch = table.values()
 print(f"\nchunked / prefill-first: ITL p99 x{ch['ITL p99'] / pf['ITL p99']:.2f}, "
       f"ITL max x{ch['ITL max'] / pf['ITL max']:.2f}, throughput x{ch['tok/s'] / pf['tok/s']:.2f}, "
       f"document TTFT x{ch['TTFT doc'] / pf['TTFT doc']:.2f}")
-print("(in full mode on a CPU expect ITL p99 x0.33 or less at about the same throughput; on a GPU with "
-      "eager steps, launch-bound whatever they compute, closer to x1: see below)")
+steps_ms = [1e3 * np.diff(r[4]) for r in runs["prefill-first"]]    # step times from the step end times
+longest, typical = np.median([s.max() for s in steps_ms]), np.median([np.median(s) for s in steps_ms])
+print(f"prefill-first steps: median {typical:.0f} ms, longest {longest:.0f} ms (a whole document's prefill, "
+      f"{longest / typical:.1f} median steps).\nA step with a chunk costs more than a plain decode, so chunking "
+      f"can cut the ITL tail to about x{typical / longest:.2f} of prefill-first's at best")
 '''),
 md(r"""
 Read your numbers; the effect is what the picture predicted. Under prefill-first, every document
 prefill is a gap of the length of that prefill for every chat; with a few dozen gaps per chat, those
 few long ones **are** the p99 (and the max). Under chunked prefill the longest gap is one step of at
 most `BUDGET` tokens, so the p99 drops by about the ratio of a document's prefill to one chunked
-step. In full mode the median barely moves: most steps are plain decodes under both policies. (Quick
-mode's run is short, chunks ride in a large share of its steps, and the median and throughput move
-more.) Throughput stays close, and may even grow: the same tokens are computed, and the chunks'
+step. In full mode the median moves little: most steps are plain decodes under both policies. (Quick
+mode's run is short and chunks ride in a large share of its steps, so its median moves more.)
+Throughput stays close, and may even grow: the same tokens are computed, and the chunks'
 steps also carry the decodes, so the documents' prompts cost no steps of their own in which the
 chats wait. The price is paid by the documents: their TTFT grows, since their prompt now shares its
 steps with the decodes and spreads over several of them (look at "TTFT doc"). Goodput moves with

@@ -204,6 +204,7 @@ rows = []
 while core.has_work():
     if core.stats.steps == 4:
         core.add_request("doc", random_ids(doc_len, seed=1), SamplingParams(temperature=0.0), max_tokens=4)
+        doc_step = len(rows)
     core.step()
     states = core.trace[-1]
     did = {s: [rid for rid, st in states.items() if st == s] for s in ("prefill", "decode", "waiting")}
@@ -212,17 +213,26 @@ for t, (secs, did) in enumerate(rows):
     stalled = f"   waiting: {', '.join(did['waiting'])}" if did["waiting"] else ""
     work = " ".join(f"{k} {', '.join(v)}" for k, v in did.items() if v and k != "waiting")
     print(f"step {t:2d}: {1e3 * secs:6.0f} ms  {work}{stalled}")
-gaps = [1e3 * s for s, did in rows if "chat-0" in did["decode"] or "chat-0" in did["waiting"]]
-print(f"chat-0 waited {np.median(gaps):.0f} ms for a typical token, {max(gaps):.0f} ms for the one after the document arrived")
+# chat-0's inter-token gaps: the steps it waited through, plus the step that gave it its next token
+chat0_gaps, waited = {}, 0.0               # step that ended the gap -> gap in ms
+for t, (secs, did) in enumerate(rows):
+    if "chat-0" in did["waiting"]:
+        waited += secs
+    elif "chat-0" in did["decode"]:
+        chat0_gaps[t], waited = 1e3 * (waited + secs), 0.0
+after_doc = next(g for t, g in chat0_gaps.items() if t >= doc_step)
+print(f"chat-0's tokens came {np.median(list(chat0_gaps.values())):.0f} ms apart (median); "
+      f"the one after the document arrived, {after_doc:.0f} ms after the one before it")
 '''),
 md(r"""
 Read your numbers. A decode step of three requests is short. The step that holds the document's
 prefill is longer (on a CPU many times longer), and during it the three chat requests get
 **nothing**: each of their users sees the text stop for as long as someone else's prompt takes. (On
 a GPU this small model's eager steps are launch-bound, so the document's step may cost little more
-than a decode step; section 7 says when the stall comes back there.) That gap is an
-**inter-token latency**, and its tail (the 99th percentile) is what chunked prefill will cut in
-section 7.
+than a decode step; section 7 says when the stall comes back there.) The time between two tokens of
+one request is an **inter-token latency**; the one after the document arrived holds the whole
+prefill plus the next decode step. Such gaps make the tail (the 99th percentile) of the inter-token
+latency, and that tail is what chunked prefill will cut in section 7.
 
 Before that, the engine must become a server. The loop above is synchronous: while it runs, no new
 request can come in and no client can read its tokens as they come out. A server must do everything

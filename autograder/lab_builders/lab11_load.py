@@ -365,15 +365,17 @@ plt.suptitle(f"your server on {env.device} ({str(env.dtype).removeprefix('torch.
 md(r"""
 Read your table from the top. At the lowest rate (half the rough capacity) the server keeps up: two
 or three requests share each step, TTFT is about one prefill, TPOT about one decode step of a small
-batch. With a few dozen requests, the run's duration also holds the last requests' drain, so the
-measured throughput sits a little below the offered rate even here (with only a few requests, as in
-quick mode, random arrivals can also bunch up and push it above). As the rate grows, requests share
-steps (each step is a little slower, but serves more requests: throughput grows with the rate),
-until the offered rate passes what the server can do: then requests queue, throughput stops
-following the offered rate, TTFT grows with the queue (it now includes the wait), and goodput falls
-below throughput: the server still works hard, but for users who are no longer happy. Where that
-knee sits is the server's **capacity** under this SLO, the number a capacity planner needs. (Quick
-mode measures one rate, one point; run the notebook in full mode for the curve.)
+batch, plus the prefills of newcomers that interrupt it (on a CPU, where a prefill is long,
+noticeably more). With a few dozen requests, the run's duration also holds the last requests'
+drain, so the measured throughput sits a little below the offered rate even here (with only a few
+requests, as in quick mode, random arrivals can also bunch up and push it above). As the rate
+grows, requests share steps (each step is a little slower, but serves more requests: throughput
+grows with the rate), until the offered rate passes what the server can do: then requests queue,
+throughput stops following the offered rate, TTFT grows with the queue (it now includes the wait),
+and goodput falls below throughput: the server still works hard, but for users who are no longer
+happy. Where that knee sits is the server's **capacity** under this SLO, the number a capacity
+planner needs. (Quick mode measures one rate, one point; run the notebook in full mode for the
+curve.)
 
 **The same client against vLLM.** Your `benchmark_server` only speaks HTTP. On a machine with a GPU:
 

@@ -221,14 +221,16 @@ Now the experiment, on two processes (one core each) both times:
 - **disaggregated**: rank 0 only prefills, and sends each request's KV blocks with your `send_kv`; rank
   1 only decodes, taking each transfer with your `recv_kv` between two decode steps.
 
-Requests arrive one after another, a bit slower than one prefill worker can take them (every
-1.5 prefill times, from your measurement above), each with a long prompt and enough new tokens to be
-still decoding when the next prompts arrive. Same requests, same model, same greedy tokens: only
-*where* the prefills run changes. (`Engine`, `colocated_worker` and `disaggregated_worker` are given:
-read them in `course/dist/disagg.py`.)
+Requests arrive one after another, a bit slower than one prefill worker takes them when it runs
+alone (every 1.5 prefill times, from your measurement above), each with a long prompt and enough new
+tokens to be still decoding when the next prompts arrive. Same requests, same model, same greedy
+tokens: only *where* the prefills run changes. Every worker first warms its engine (one prefill and
+one decode step, before the clock starts): a freshly forked process runs its first passes several
+times slower, and that is not what we measure. (`Engine`, `colocated_worker` and
+`disaggregated_worker` are given: read them in `course/dist/disagg.py`.)
 """),
 code(r'''
-GAP = 1.5 * PREFILL_S                                       # one prefill worker keeps up
+GAP = 1.5 * PREFILL_S                                       # 1.5 prefill times, as measured alone
 NEW = max(4, min(env.pick(64, 16), math.ceil(5 * GAP / DECODE_S)))   # still decoding when the next prompts come
 N_REQ = env.pick(8, 4)
 
@@ -277,16 +279,18 @@ arrive bit for bit. (Only a near-tie between two tokens could flip: a request de
 with other neighbours gets logits that differ in the last bits.) In the colocated engine, a decode
 step that comes after a prefill waits for all of it: the largest token gaps are at least a whole
 prefill long (an orange bar between two blue ones). In the disaggregated engine the decode worker
-never prefills: its gaps stay within a few decode steps of its batch (compare the two ITL max), plus
-a KV transfer now and then (milliseconds here: the thin green marks). The median gap may move either
+never prefills: its gaps stay within a few of its own decode steps, plus a KV transfer now and then
+(milliseconds here: the thin green marks; compare the two ITL max). The median gap may move either
 way: the decode worker runs bigger batches, but no prefill ever runs beside it. Then look at time to
-first token. Here prompts arrive every 1.5 prefill times (`GAP`), so one prefill worker keeps up.
+first token. Prompts arrive every 1.5 prefill times as measured alone (`GAP`). Check rank 0's row
+in the disaggregated panel: gaps between its bars mean one prefill worker kept up; back-to-back bars
+mean prefills ran slower here than `PREFILL_S` (the processes share the cores) and prompts queued.
 Make them come faster than one worker prefills (`GAP` below `PREFILL_S`) and they queue at that
-worker, while two colocated replicas would share them. That is why DistServe sizes the two pools
-separately, for the latency each phase must meet (its goodput: requests per second that meet both
-the TTFT and the ITL target). The KV cache of a request (46 KB per token of the default model in
-float32, a third of a MB per token for Llama-3-70B in bf16) crosses the network once; real systems
-stream it layer by layer while the prefill still runs, so the transfer hides behind compute.
+worker in any case, while two colocated replicas would share them. That is why DistServe sizes the
+two pools separately, for the latency each phase must meet (its goodput: requests per second that
+meet both the TTFT and the ITL target). The KV cache of a request (46 KB per token of the default
+model in float32, a third of a MB per token for Llama-3-70B in bf16) crosses the network once; real
+systems stream it layer by layer while the prefill still runs, so the transfer hides behind compute.
 
 ## 8. On several GPUs: torchrun and NCCL
 

@@ -108,6 +108,9 @@ def pp_rank(comm, model, ids, m):
     micro = list(ids.chunk(m))                                     # m micro-batches of B / m sequences
     b, t = micro[0].shape
     pos = torch.arange(t, device="cpu")[None].expand(b, t)
+    act = torch.randn(b, t, model.cfg.d_model, device="cpu")       # any activation of the right shape
+    stage(micro[0] if stage.first else act, pos)                   # warm-up, as in whole_rank: a fresh process starts slow
+    comm.barrier()                                                 # then all stages start together
     return pipeline_stage(comm, lambda j, x: stage(x, pos), micro, (b, t, model.cfg.d_model))
 
 
@@ -143,7 +146,8 @@ smaller, less efficient matmuls: the formula counts ticks, not how long a tick i
 
 Four real stages would need four free cores. To see the schedule with p = 4 on any machine, let
 each stage's `compute` **sleep** for a fixed time instead of running layers: the processes, messages
-and your loop are real; only the work is a stand-in.
+and your loop are real; only the work is a stand-in. On a busy machine a sleep can overrun by a few
+milliseconds; the bars show where.
 """),
 code(r'''
 def sleepy_rank(comm, m, seconds, shape):
@@ -151,7 +155,7 @@ def sleepy_rank(comm, m, seconds, shape):
     return pipeline_stage(comm, lambda j, x: (time.sleep(seconds), x)[1], micro, shape)[1]
 
 
-P4, NAP = 4, env.pick(0.05, 0.02)
+P4, NAP = 4, 0.05                                             # 50 ms: long next to a message or a late wake-up
 sleep_m = env.pick([1, 2, 4, 8, 16], [1, 4])
 sleep_bubble = {}
 for m in sleep_m:

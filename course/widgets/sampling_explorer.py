@@ -5,7 +5,9 @@ processed logits `(V,)` (removed tokens at -inf), and the widget calls it once p
 control values, ahead of time (see explorer.py). For each state it draws the most likely tokens
 of the prompt: a light bar for the probability at that temperature before any truncation
 (`process(logits, temperature, 0, 1.0)`), a dark bar for the renormalized probability of the
-survivors, and a struck-through row for every token that was cut.
+survivors, and a struck-through row for every token that was cut. A token survives when its
+processed logit is finite, as in the lab's tests: at a low temperature a kept token's float32
+probability can underflow to 0, and it was still not cut.
 """
 from __future__ import annotations
 
@@ -26,13 +28,15 @@ KEPT, BEFORE, CUT = PALETTE[0], "#c9d9ea", "#bbbbbb"
 
 
 def survivors(process: Callable, logits: torch.Tensor, temperature: float, top_k: int, top_p: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(before, after): probabilities `(V,)` at this temperature without truncation, and after it
-    (renormalized over the tokens `process` keeps; 0 for the cut ones)."""
-    before = _probs(process(logits.clone(), temperature, 0, 1.0), "process(logits, temperature, 0, 1.0)")
-    after = _probs(process(logits.clone(), temperature, top_k, top_p),
-                   f"process(logits, {temperature:g}, {top_k}, {top_p:g})")
-    return before, after
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(before, after, kept): probabilities `(V,)` at this temperature without truncation, and after
+    it (renormalized over the tokens `process` keeps; 0 for the cut ones), and the bool mask `(V,)`
+    of the kept tokens: those whose processed logit is finite. `kept` is read from the logits, not
+    from `after > 0`, because a kept token's probability can underflow to 0 in float32."""
+    before, _ = _probs(process(logits.clone(), temperature, 0, 1.0), "process(logits, temperature, 0, 1.0)")
+    after, kept = _probs(process(logits.clone(), temperature, top_k, top_p),
+                         f"process(logits, {temperature:g}, {top_k}, {top_p:g})")
+    return before, after, kept
 
 
 def sampling_explorer(
@@ -66,8 +70,7 @@ def sampling_explorer(
     shown[order] = True
 
     def render(temperature: float, top_k: int, top_p: float) -> str:
-        before, after = survivors(process, logits, temperature, int(top_k), top_p)
-        kept = after > 0
+        before, after, kept = survivors(process, logits, temperature, int(top_k), top_p)
         lines = [_row(show_token(w), before[i].item(), after[i].item(), bool(kept[i])) for w, i in zip(words, order)]
         rest_before, rest_after = before[~shown].sum().item(), after[~shown].sum().item()
         n_rest_kept = int(kept[~shown].sum())
@@ -104,8 +107,9 @@ def _row(label_html: str, before: float, after: float, kept: bool, bar_px: int =
             f'</div></td><td style="text-align: right; padding-left: 8px; white-space: nowrap;">{escape(value)}</td></tr>')
 
 
-def _probs(processed: object, where: str) -> torch.Tensor:
-    """softmax of processed logits, checked: a (V,) or (1, V) float tensor with a finite maximum."""
+def _probs(processed: object, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax, finite mask) of processed logits, checked: a (V,) or (1, V) float tensor with a
+    finite maximum."""
     if not isinstance(processed, torch.Tensor) or not processed.is_floating_point():
         raise ValueError(f"{where} must return a float tensor of logits, got {type(processed).__name__}")
     z = processed.detach().float().cpu().reshape(-1)
@@ -113,7 +117,7 @@ def _probs(processed: object, where: str) -> torch.Tensor:
         raise ValueError(f"{where} removed every token (or returned NaN): at least one token must survive")
     if torch.isnan(z).any():
         raise ValueError(f"{where} returned NaN logits")
-    return torch.softmax(z, dim=-1)
+    return torch.softmax(z, dim=-1), torch.isfinite(z)
 
 
 def _check_logits(logits: object) -> torch.Tensor:
