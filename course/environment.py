@@ -78,16 +78,17 @@ def silence() -> None:
 def prefer_flash_attention() -> None:
     """Ask PyTorch to try FlashAttention and the memory-efficient kernel before cuDNN's attention.
 
-    On an H100 or newer with a recent cuDNN, PyTorch (2.10 and later) tries cuDNN first for
-    `scaled_dot_product_attention`. cuDNN builds an execution plan for each new shape (batch, heads,
-    query and key lengths) the first time it meets it, and keeps it for later calls of that shape.
-    A generate loop meets a new key length at every step. Our eager GPU runs measured the cost:
-    lab 03's cached loop on an H100 took about 56 ms per token the first time it met each length,
-    and 18.5 ms per token on lengths it had met before. Engines avoid planning per shape
-    (FlashAttention's kernels take any length; CUDA graphs fix the shapes). How much of that cost
-    this order takes back has not been measured on a GPU yet. PyTorch reads the variable once, at
-    its first attention call on a GPU, so this must run before any; set it to 0 beforehand to keep
-    PyTorch's own order. Elsewhere (a CPU, an older GPU) it changes nothing."""
+    On an H100 or newer, recent PyTorch releases try cuDNN first for `scaled_dot_product_attention`
+    when the cuDNN they load is newer than 9.15. cuDNN builds an execution plan for each new shape
+    (batch, heads, query and key lengths) the first time it meets it, and keeps it for later calls of
+    that shape. A generate loop meets a new key length at every step. Our eager GPU runs measured
+    a cost of that kind: lab 03's cached loop on an H100 took about 56 ms per token the first time
+    it met each length, and 18.5 ms per token on lengths it had met before. Engines avoid planning
+    per shape (FlashAttention's kernels take any length; CUDA graphs fix the shapes). Whether
+    cuDNN's plans are all of that cost, and how much of it this order takes back, has not been
+    measured on a GPU yet. PyTorch reads the variable once, at its first attention call on a GPU,
+    so this must run before any; set it to 0 beforehand to keep PyTorch's own order. Elsewhere (a
+    CPU, an older GPU) it changes nothing."""
     os.environ.setdefault(CUDNN_SDPA_ENV, "1")
 
 
