@@ -154,15 +154,15 @@ print(f"{repeated} prompt tokens ({100 * repeated / total:.0f}%) were computed b
 
 question_only = prompts[0][sys_len:]
 
-def prefill(ids):
+def uncached_pass(ids):
     """One forward pass over ids with no cache: the prefill of a prompt that shares nothing."""
     return lambda: model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None])
 
-runs = {"whole": [], "question": []}
+times = {"whole": [], "question": []}
 for i in range(env.pick(10, 6)):          # alternated: a busy moment of the machine hits both alike
     for key, ids in (("whole", prompts[0]), ("question", question_only)):
-        runs[key].append(benchmark(prefill(ids), warmup=int(i == 0), repeats=1, device=dev).median)
-t_full, t_question = min(runs["whole"]), min(runs["question"])   # the fastest run: the least disturbed
+        times[key].append(benchmark(uncached_pass(ids), warmup=int(i == 0), repeats=1, device=dev).median)
+t_full, t_question = min(times["whole"]), min(times["question"])   # the fastest run: the least disturbed
 print(f"prefill of the whole prompt ({len(prompts[0])} tokens): {1e3 * t_full:.0f} ms; "
       f"of the question alone ({len(question_only)} tokens): {1e3 * t_question:.0f} ms")
 print(f"the system prompt's share of this prompt's prefill time: {1 - t_question / t_full:.0%} "
