@@ -1045,17 +1045,18 @@ APIs default to.
 ### The temperature experiment
 
 The workshop's experiment: the same prompt at temperatures 0.7, 1.5 and 0.00001. Thanks to
-per-request parameters, all of it runs as **one batch**: each row has its own temperature and seed.
+per-request parameters, all of it runs as **one batch**: each row has its own temperature and seed,
+and stops at the end-of-text token if it draws one (what follows it would be a new document).
 """),
 code(r"""
 fox = tokenizer("The quick brown fox jumps over the").input_ids
 temps = [0.7, 1.5, 0.00001]
 reps, fox_new = env.pick((3, 20), (1, 10))          # samples per temperature, new tokens each
 qs = [SamplingParams(temperature=t, seed=s) for t in temps for s in range(reps)]
-outs = sampled_generate(model_fp32, [fox] * len(qs), qs, fox_new)   # float32, as the token-for-token tests
+outs = sampled_generate(model_fp32, [fox] * len(qs), qs, fox_new, eos_token_id=EOS)   # float32, as the tests
 for q, out in zip(qs, outs):
     print(f"T={q.temperature:<7g} seed {q.seed}: {tokenizer.decode(out)!r}")
-greedy_fox = generate(model_fp32, [fox], fox_new, greedy_pick)[0]
+greedy_fox = generate(model_fp32, [fox], fox_new, greedy_pick, EOS)[0]          # stops at EOS too
 print("\nT=0.00001 equals greedy:", all(out == greedy_fox for q, out in zip(qs, outs) if q.temperature < 1e-3))
 """),
 md(r"""
@@ -1068,7 +1069,7 @@ code(r"""
 sweep = env.pick([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0], [0.5, 1.5], cpu=[0.25, 0.5, 0.75, 1.0, 1.5, 2.0])
 per_t = env.pick(8, 2, cpu=4)
 qs = [SamplingParams(temperature=t, seed=s) for t in sweep for s in range(per_t)]
-outs = sampled_generate(model, [fox] * len(qs), qs, fox_new)             # one batch, every temperature
+outs = sampled_generate(model, [fox] * len(qs), qs, fox_new, eos_token_id=EOS)   # one batch, every temperature
 pooled, logps = [], []
 for i, t in enumerate(sweep):
     texts = outs[i * per_t:(i + 1) * per_t]
