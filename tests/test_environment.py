@@ -26,7 +26,8 @@ def test_setup_seeds_every_rng_and_prints_one_line(capsys, monkeypatch):
 def test_setup_puts_cudnn_attention_last_only_on_a_gpu_and_respects_a_choice(monkeypatch):
     from course.environment import CUDNN_SDPA_ENV, prefer_flash_attention
 
-    monkeypatch.delenv(CUDNN_SDPA_ENV, raising=False)
+    monkeypatch.setenv(CUDNN_SDPA_ENV, "")        # so that monkeypatch restores the variable as it was
+    monkeypatch.delenv(CUDNN_SDPA_ENV)
     course.setup(device="cpu", verbose=False)
     assert CUDNN_SDPA_ENV not in os.environ, "on a CPU setup() leaves PyTorch's attention order alone"
     prefer_flash_attention()                      # what setup() does on a GPU, before any attention call

@@ -954,10 +954,9 @@ cheaper, and the prefills, which stay eager, become a larger share of the time.
 `max_batch_size` is the knob every engine exposes. A bigger batch gives more tokens per forward
 pass, so throughput goes up. But every request in the batch waits for the whole step. On a CPU a
 bigger step takes longer, so each user's tokens arrive more slowly: the **time per output token**
-(from a request's first token to its last, divided by the gaps) goes up. On a GPU, section 2's
-decode step cost about the same at every size, but an engine step does more (prefills, bookkeeping, a
-context that grows every step). With decode steps in CUDA graphs, the price is mostly the newcomers'
-prefills; your "ms per token" columns show how much the eager steps grow. Sweep the batch size:
+(from a request's first token to its last, divided by the gaps) goes up. On a GPU it is less simple
+(section 2's decode step cost about the same at every batch size, but an engine step does more): we
+read it after the sweep, from your own columns. Sweep the batch size:
 """),
 code(r"""
 sweep = env.pick([4, 8, 16], [2, 4, 8], cpu=[1, 2, 4, 8])   # small batches run the slowest (serial) eager steps
