@@ -111,9 +111,10 @@ def _jobs(configs_split, configs_prefill) -> list[tuple]:
         "paged_attention_v1_kernel": [dict(SMOLLM2, GROUP=3, GROUP_PAD=4),
                                       dict(H=4, H_KV=4, BLOCK_SIZE=8, D=32, GROUP=1, GROUP_PAD=1)],   # a one-row tile
         "paged_attention_v2_kernel": [dict(SMOLLM2, GROUP=3, GROUP_PAD=4, BLOCKS_PER_ITER=4)],
-        "split_reduce_kernel": [dict(H=9, D=64, SPLITS_PAD=8), dict(H=9, D=64, SPLITS_PAD=1)],
-        "paged_decode_split_kernel": [dict(SMOLLM2, GROUP=3, GROUP_PAD=16, DOT_F32=False, **configs_split[0]),
-                                      dict(SMOLLM2, H=32, H_KV=1, GROUP=32, GROUP_PAD=32, DOT_F32=False, **configs_split[0])],
+        "split_reduce_kernel": [dict(H=9, D=64, SPLITS_PAD=8, USE_PDL=False), dict(H=9, D=64, SPLITS_PAD=1, USE_PDL=False)],
+        "paged_decode_split_kernel": [dict(SMOLLM2, GROUP=3, GROUP_PAD=16, DOT_F32=False, USE_PDL=False, **configs_split[0]),
+                                      dict(SMOLLM2, H=32, H_KV=1, GROUP=32, GROUP_PAD=32, DOT_F32=False, USE_PDL=False,
+                                           **configs_split[0])],
         "paged_prefill_kernel": [dict(SMOLLM2, DOT_F32=False, **c) for c in configs_prefill[:1]],
     }
     jobs = []
@@ -123,6 +124,8 @@ def _jobs(configs_split, configs_prefill) -> list[tuple]:
                 if i and (arch, dtype) != (75, "fp16"):             # the odd shapes on one target are enough
                     continue
                 cx = dict(cx)
+                if "USE_PDL" in cx:
+                    cx["USE_PDL"] = arch >= 90                          # Hopper: with programmatic dependent launch
                 options = {"num_warps": cx.pop("num_warps", 4), "num_stages": cx.pop("num_stages", 3)}
                 sig = {**_signature(kernel, dtype), **{name: "constexpr" for name in cx}}
                 jobs.append((kernel, sig, cx, arch, options))
@@ -133,6 +136,8 @@ def _jobs(configs_split, configs_prefill) -> list[tuple]:
                 c = dict(c)
                 options = {"num_warps": c.pop("num_warps"), "num_stages": c.pop("num_stages")}
                 cx = {**base, **c, "DOT_F32": False}
+                if kernel == "paged_decode_split_kernel":
+                    cx["USE_PDL"] = arch >= 90
                 jobs.append((kernel, {**_signature(kernel, dtype), **{n: "constexpr" for n in cx}}, cx, arch, options))
     return jobs
 
@@ -158,6 +163,11 @@ def test_solution_kernels_compile_for_t4_a100_and_h100(kernels):
     for (name, sig, cx, arch, opt), r in zip(jobs, report):
         if name in ("paged_decode_split_kernel", "paged_prefill_kernel") and arch >= 80 and sig["q_ptr"] != "*fp32":
             assert r["mma"] + r["wgmma"] > 0, f"{name} sm_{arch} {sig['q_ptr']}: no tensor-core instruction in the PTX"
+    # the split-KV pair holds griddepcontrol exactly where it is compiled with USE_PDL (sm_90), and nowhere else
+    pdl = [(name, arch, cx["USE_PDL"], r["gdc"]) for (name, sig, cx, arch, opt), r in zip(jobs, report) if "USE_PDL" in cx]
+    assert {(n, a) for n, a, use, _ in pdl if use} >= {("paged_decode_split_kernel", 90), ("split_reduce_kernel", 90)}
+    wrong = [(n, a, use, gdc) for n, a, use, gdc in pdl if (gdc > 0) != use]
+    assert not wrong, f"griddepcontrol in the PTX where USE_PDL is off, or missing where it is on: {wrong}"
 
 
 @pytest.mark.slow
@@ -280,6 +290,8 @@ def _decode_checks(mod, dtypes, device, small: bool):
             # one block per split, splits of 3 tokens (inside blocks and tiles); long contexts: the launcher's choice, 40
             for split_len in ((bs, 3) if max(lens) <= 64 else (None, bs, 40)):
                 outs[f"split-KV (split_len {split_len})"] = mod.paged_attention_split(*args, scale, split_len=split_len)
+            if mod.PDL:                                                  # a Hopper GPU: the default launched stage 2 early
+                outs["split-KV, stage 2 in order"] = mod.paged_attention_split(*args, scale, pdl=False)
             for name, out in outs.items():
                 ok = out.dtype == dtype and out.shape == args[0].shape and out.device == args[0].device
                 err = (out.cpu().double() - ref).abs().max().item() if ok else float("inf")
@@ -342,6 +354,21 @@ def test_launchers_catch_bad_input(kernels):
         kernels.paged_prefill(torch.zeros(2, 4, 16), args[1], args[2], args[3], 5, 0.25)
     with pytest.raises(ValueError, match="int32"):
         kernels.paged_attention_v1(args[0], args[1], args[2], args[3].long(), args[4], 0.25)
+
+
+@interpreter_only
+def test_stage2_launches_in_order_when_the_early_launch_fails(kernels, monkeypatch, capsys):
+    """Where programmatic dependent launch is refused (here the interpreter, which cannot run
+    griddepcontrol), split_stage2 launches stage 2 in order, says so once, and keeps to that."""
+    assert kernels.PDL is False, "no GPU here: the launchers must not ask for programmatic dependent launch"
+    args, ks, vs = _case([5, 3, 9], 4, 2, 16, 4, torch.float32)
+    part_out, part_lse = kernels.split_stage1(*args, 0.25, split_len=4)
+    monkeypatch.setattr(kernels, "PDL", True)
+    out = kernels.split_stage2(part_out, part_lse, torch.full_like(args[0], float("nan")))
+    assert (out.double() - _dense(args[0], ks, vs, 0.25)).abs().max().item() < 1e-4
+    assert kernels.PDL is False and "stage 2 launches after stage 1 from now on" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="do not fit"):                  # an error of the call itself is not a PDL failure
+        kernels.split_stage2(part_out, part_lse[:, :, :1], out, pdl=True)
 
 
 # --- 3. compiled on a GPU --------------------------------------------------------------------------

@@ -222,6 +222,49 @@ if env.gpu:
     print("the configuration autotuning kept:", getattr(tuned, "best_config", None))
 """),
 md(r"""
+### On a GPU: launch stage 2 before stage 1 ends
+
+Replayed from a CUDA graph, the launches cost no Python, but the GPU still runs the two kernels one
+after the other: stage 1's last programs finish, their stores are made visible, stage 2 is launched,
+and its programs start and load what stage 1 stored. Between stage 1's last load and stage 2's
+first, memory sits idle, and at 32 x 1k the whole call's floor is a few microseconds (the table
+above). GPUs of compute capability 9.0 and later (H100, H200) can overlap the launch with the
+kernel before it: **programmatic dependent launch** (PDL). A kernel launched with `launch_pdl=True`
+may start while the kernel before it still runs, once every program of that kernel has called
+`gdc_launch_dependents()` (or finished); its programs then wait at `gdc_wait()` until that kernel
+has finished and its stores are visible. The merge stays exact: whatever starts early, nothing is
+read before the wait.
+
+Those are the two given lines under `if USE_PDL:` in your kernels: stage 1 lets stage 2 launch as its
+programs start, stage 2 waits before its first load. The launchers pass `USE_PDL=PDL` to both kernels
+and `launch_pdl=PDL` to stage 2, with `PDL = pdl_available()` (and `pdl=False` turns it off for one
+call). What it saves is the time between the two kernels, which you measure here; on a GPU without
+PDL the cell says so.
+"""),
+code(r"""
+if not env.gpu:
+    print("skipped: no GPU here")
+elif not PDL:
+    major, minor = torch.cuda.get_device_capability(0)
+    print(f"{gpu} has compute capability {major}.{minor}: programmatic dependent launch needs 9.0 or later (or a "
+          "newer Triton), so stage 2 launches after stage 1 ends")
+else:
+    from functools import partial
+    from course.report import record
+
+    print(f"split-KV with stage 2 launched in order and with PDL, {dt_name} on {gpu}:")
+    for batch, ctx in ((32, 1024), (8, 8192)):
+        paged, _ = decode_case(batch, ctx)
+        nbytes = kv_bytes([ctx] * batch, Hkv, D, dt)
+        t_order, t_pdl = (bench_replayed(partial(paged_attention_split, pdl=pdl), *paged) * 1e-3 for pdl in (False, True))
+        fracs = [bandwidth(t, nbytes, peak.bytes_per_s)[1] for t in (t_order, t_pdl)]
+        print(f"{batch:3d} x {ctx:5d}: in order {t_order * 1e6:6.1f} us ({fracs[0]:4.0%} of the roofline), with PDL "
+              f"{t_pdl * 1e6:6.1f} us ({fracs[1]:4.0%}): {(t_order - t_pdl) * 1e6:+.1f} us saved per call")
+        record(f"split_kv_pdl_saving_{batch}x{ctx}", (t_order - t_pdl) * 1e6, "us",
+               "launching stage 2 early (PDL) shortens a split-KV call on a GPU that has it",
+               device=gpu, dtype=dt_name, shape=f"{batch}x{ctx}", timing="CUDA-graph replay")
+"""),
+md(r"""
 ### On a GPU: the split length is a knob
 
 `choose_split_len` guesses how many tokens each split should take: enough splits for at least two
@@ -307,20 +350,23 @@ launch both kernels. When the CPU time per call is longer than the GPU time, the
 Python between calls: in a real engine, CUDA graphs (lab 02) replay the launches without Python, and
 that is why the benchmark above timed replays. (The profile reruns one set of inputs, so its keys and
 values sit in the L2 cache: its kernel times can come out below the benchmark's, which reads them
-from memory.)
+from memory. And it launches stage 2 in order: with PDL, stage 2's time would start while stage 1
+runs and count its wait.)
 """),
 code(r"""
 if not env.gpu:
     print("skipped: no GPU here")
 else:
+    from functools import partial
     from torch.profiler import ProfilerActivity, profile
 
     paged, _ = decode_case(32, 1024)
-    paged_attention_split(*paged)
+    split_in_order = partial(paged_attention_split, pdl=False)     # with PDL, stage 2's time would include its wait
+    split_in_order(*paged)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
-            paged_attention_split(*paged)
+            split_in_order(*paged)
         torch.cuda.synchronize()
     events = prof.key_averages()
     print(events.table(sort_by="device_time_total", row_limit=8))
@@ -329,7 +375,7 @@ else:
     stage2 = sum(t for k, t in gpu_us.items() if "split_reduce_kernel" in k)
     start = time.perf_counter()
     for _ in range(100):
-        paged_attention_split(*paged)
+        split_in_order(*paged)
     cpu_us = (time.perf_counter() - start) / 100 * 1e6
     torch.cuda.synchronize()
     print(f"per call at 32 x 1024: stage 1 {stage1:.1f} us and stage 2 {stage2:.1f} us on the GPU; "
@@ -347,7 +393,8 @@ and say what you expect a GPU to show):
 
 1. At 32 x 1k and at 8 x 8k, what fraction of the roofline does your best kernel reach, and how fast is
    it next to SDPA on gathered keys and values? Which of the two shapes is closer to the roofline, and why?
-2. From the profile: what share of a call is stage 2? What would it cost to merge inside stage 1 instead?
+2. From the profile: what share of a call is stage 2? How much did launching it early (PDL) save on your
+   GPU, and what is left of the gap between the two kernels? What would it cost to merge inside stage 1 instead?
 3. Name two more reasons your kernel is below the roofline that you can see in your numbers (think of
    the gap between two kernels of a graph against a floor of microseconds, the number of programs
    against the SMs, the last wave of programs, the padded rows of `tl.dot`, the `TILE` autotuning
@@ -429,7 +476,8 @@ md(r"""
   and a kernel is judged by the fraction of that roofline it reaches.
 - **Split-KV** gives long contexts enough programs to use every SM: each split writes its partial output
   and log-sum-exp, and a second kernel merges them with a softmax over the log-sum-exps. Stacking a
-  group's query heads as the rows of a tile turns decode into `tl.dot`s.
+  group's query heads as the rows of a tile turns decode into `tl.dot`s. On an H100 or H200,
+  programmatic dependent launch starts the second kernel while the first one ends.
 - **FlashAttention-style prefill** tiles queries against keys with the same online softmax, skips the
   tiles above the causal diagonal, and works the same for a chunk after cached tokens.
 - Check every version against a reference, over dtypes, head layouts and edge cases; compile for the

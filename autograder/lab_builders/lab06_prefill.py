@@ -218,8 +218,8 @@ smollm2 = dict(H=9, H_KV=3, BLOCK_SIZE=16, D=64)
 CONSTEXPRS = {"store_kv_kernel": dict(ROW=192, ROW_PAD=256),
               "paged_attention_v1_kernel": dict(**smollm2, GROUP=3, GROUP_PAD=4),
               "paged_attention_v2_kernel": dict(**smollm2, GROUP=3, GROUP_PAD=4, BLOCKS_PER_ITER=4),
-              "paged_decode_split_kernel": dict(**smollm2, GROUP=3, GROUP_PAD=16, TILE=64, DOT_F32=False),
-              "split_reduce_kernel": dict(H=9, D=64, SPLITS_PAD=4),
+              "paged_decode_split_kernel": dict(**smollm2, GROUP=3, GROUP_PAD=16, TILE=64, DOT_F32=False, USE_PDL=False),
+              "split_reduce_kernel": dict(H=9, D=64, SPLITS_PAD=4, USE_PDL=False),
               "paged_prefill_kernel": dict(**smollm2, BLOCK_M=64, BLOCK_N=64, DOT_F32=False)}
 kernels = (store_kv_kernel, paged_attention_v1_kernel, paged_attention_v2_kernel, paged_decode_split_kernel,
            split_reduce_kernel, paged_prefill_kernel)
@@ -228,17 +228,19 @@ targets = env.pick([(75, "fp16"), (80, "bf16"), (90, "bf16")], [])
 if not targets:
     print("skipped in quick mode: each compilation takes seconds (tests/test_paged_kernels.py compiles the solutions)")
 else:
-    jobs = [(name_of(k), signature(name_of(k), dt), CONSTEXPRS[name_of(k)], arch, {"num_warps": 4, "num_stages": 3})
-            for k in kernels for arch, dt in targets]
+    pdl = lambda name, arch: {"USE_PDL": arch >= 90} if "USE_PDL" in CONSTEXPRS[name] else {}   # sm_90: with PDL (section 5)
+    jobs = [(name_of(k), signature(name_of(k), dt), {**CONSTEXPRS[name_of(k)], **pdl(name_of(k), arch)}, arch,
+             {"num_warps": 4, "num_stages": 3}) for k in kernels for arch, dt in targets]
     report = compile_report(kernel_source(*kernels), jobs)
-    print(f"{'kernel':<28}" + "".join(f"{f'sm_{a} {dt}':>32}" for a, dt in targets))
+    print(f"{'kernel':<28}" + "".join(f"{f'sm_{a} {dt}':>36}" for a, dt in targets))
     for k in kernels:
         cells = []
         for (name, _, _, arch, _), r in zip(jobs, report):
             if name == name_of(k):
                 cores = f"{r['mma']} mma" if r.get("mma") else f"{r['wgmma']} wgmma" if r.get("wgmma") else "no mma"
-                cells.append("FAILS (below)" if r["error"] else f"{cores}, {r['cp_async']} cp.async, {r['shared'] // 1024} KB")
-        print(f"{name_of(k):<28}" + "".join(f"{c:>32}" for c in cells))
+                gdc = f", {r['gdc']} gdc" if r.get("gdc") else ""
+                cells.append("FAILS (below)" if r["error"] else f"{cores}, {r['cp_async']} cp.async{gdc}, {r['shared'] // 1024} KB")
+        print(f"{name_of(k):<28}" + "".join(f"{c:>36}" for c in cells))
     for (name, _, _, arch, _), r in zip(jobs, report):
         if r["error"]:
             print(f"\n{name} for sm_{arch}:\n{r['error']}")
@@ -249,6 +251,8 @@ program). With Triton 3.7 the v1 and v2 kernels hold no tensor-core instruction 
 products runs on ordinary cores), while the split-KV and prefill kernels use `mma` on sm_80, and on
 sm_90 the prefill's tiles of 64 queries get Hopper's `wgmma`; on sm_75 neither does: there Triton's
 `tl.dot` runs on ordinary cores too. The `cp.async` counts show which kernels' loads are pipelined
-across iterations. Another Triton version may compile differently: the table is your compiler's.
+across iterations. On sm_90 the split-KV pair is compiled with `USE_PDL=True` (section 5), and `gdc`
+counts the `griddepcontrol` instructions its two given lines become. Another Triton version may compile
+differently: the table is your compiler's.
 """),
 ]

@@ -123,20 +123,24 @@ iteration, for the `GROUP` query heads of `kv_head`. Step by step:
    head's queries, or past the end of the buffers.
 
 **Deliverable:** the body of `paged_decode_split_kernel`; `split_stage1` (given) launches it and picks
-`split_len`; on a GPU it autotunes `TILE`, `num_warps` and `num_stages` for long contexts.
+`split_len`; on a GPU it autotunes `TILE`, `num_warps` and `num_stages` for long contexts. (The two
+lines under `if USE_PDL:` at the top of this kernel and the next are given: section 5 explains them.)
 """),
 solution("paged_decode_split", r'''
 @triton.jit
 def paged_decode_split_kernel(part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                               context_lens_ptr, scale, max_blocks, split_len, n_splits,
                               H: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                              BLOCK_SIZE: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, DOT_F32: tl.constexpr):
+                              BLOCK_SIZE: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, DOT_F32: tl.constexpr,
+                              USE_PDL: tl.constexpr):
     """Program (seq, kv_head, split): the GROUP query heads of kv_head attend to tokens
     split * split_len .. min((split + 1) * split_len, context_len) - 1 of seq, TILE per iteration, with tl.dot.
     Writes each head's partial output (D,) and log-sum-exp; an empty split writes zeros and -inf."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if USE_PDL:                                  # given (section 5): stage 2 may launch now; it waits for our stores
+        tl.extra.cuda.gdc_launch_dependents()
     ### BEGIN SOLUTION
     ctx = tl.load(context_lens_ptr + seq)
     start = split * split_len
@@ -198,6 +202,14 @@ def autotuned(kernel, configs, key):
 N_SM = torch.cuda.get_device_properties(0).multi_processor_count if env.gpu else 4
 
 
+def pdl_available():
+    """Programmatic dependent launch (section 5): a GPU of compute capability 9.0 or later (H100, H200) and a
+    Triton that has it. Elsewhere, the interpreter included, stage 2 launches after stage 1 as usual."""
+    return bool(env.gpu and torch.cuda.get_device_capability(0) >= (9, 0) and hasattr(tl.extra.cuda, "gdc_wait"))
+
+PDL = pdl_available()                          # the launchers' default; pdl=False turns it off for one call
+
+
 def choose_split_len(batch, n_kv_head, max_ctx, n_sm=N_SM):
     """Tokens per split: enough splits that batch * n_kv_head * n_splits programs give every SM at least two,
     in whole tiles of 128 tokens, never shorter than 128. Rounded down to whole tiles, so there are at
@@ -208,10 +220,11 @@ def choose_split_len(batch, n_kv_head, max_ctx, n_sm=N_SM):
     return max(128, per_split // 128 * 128)
 
 
-def split_stage1(q, k_cache, v_cache, block_tables, context_lens, scale, split_len=None, out=None):
+def split_stage1(q, k_cache, v_cache, block_tables, context_lens, scale, split_len=None, out=None, pdl=None):
     """Stage 1: (part_out (B, H, n_splits, D), part_lse (B, H, n_splits)), float32. The splits cover the
     longest context the block tables hold (their width, known without asking the GPU); a shorter
-    sequence's last splits are empty. `out`: preallocated (part_out, part_lse) to write into."""
+    sequence's last splits are empty. `out`: preallocated (part_out, part_lse) to write into. `pdl`: let
+    the next kernel launch early (default PDL)."""
     check_paged_args(q, k_cache, v_cache, block_tables, context_lens)
     B, H, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
@@ -238,7 +251,7 @@ def split_stage1(q, k_cache, v_cache, block_tables, context_lens, scale, split_l
     kernel[(B, Hkv, n_splits)](part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens, scale,
                                block_tables.shape[1], split_len, n_splits, H=H, H_KV=Hkv, GROUP=group,
                                GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, D=D,
-                               DOT_F32=not q.is_cuda, **meta)
+                               DOT_F32=not q.is_cuda, USE_PDL=PDL if pdl is None else pdl, **meta)
     return part_out, part_lse
 '''),
 code(r'''
@@ -324,10 +337,12 @@ launch it.
 solution("split_reduce", r'''
 @triton.jit
 def split_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, n_splits,
-                        H: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                        H: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (seq, head): merge the head's n_splits partial outputs by their log-sum-exps into out[seq, head]."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    if USE_PDL:                                  # given (section 5): launched early, wait until stage 1's stores are done
+        tl.extra.cuda.gdc_wait()
     ### BEGIN SOLUTION
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D)
@@ -341,19 +356,33 @@ def split_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, n_splits,
     ### END SOLUTION
 '''),
 locked("split_merge_launch", r'''
-def split_stage2(part_out, part_lse, out):
-    """Stage 2: merge (B, H, n_splits, D) partial outputs into out (B, H, D), in out's dtype."""
+def split_stage2(part_out, part_lse, out, pdl=None):
+    """Stage 2: merge (B, H, n_splits, D) partial outputs into out (B, H, D), in out's dtype. `pdl`: launch
+    it with programmatic dependent launch (default PDL), so it starts while the kernel before it ends."""
+    global PDL
     B, H, n_splits, D = part_out.shape
     if part_lse.shape != (B, H, n_splits) or out.shape != (B, H, D) or not (part_out.is_contiguous() and out.is_contiguous()):
         raise ValueError(f"part_out {tuple(part_out.shape)}, part_lse {tuple(part_lse.shape)} and out {tuple(out.shape)} do not fit")
-    split_reduce_kernel[(B, H)](out, part_out, part_lse, n_splits, H=H, D=D, SPLITS_PAD=triton.next_power_of_2(n_splits))
+    pdl = PDL if pdl is None else pdl
+    launch = lambda pdl: split_reduce_kernel[(B, H)](out, part_out, part_lse, n_splits, H=H, D=D,
+                                                     SPLITS_PAD=triton.next_power_of_2(n_splits), USE_PDL=pdl, launch_pdl=pdl)
+    try:
+        launch(pdl)
+    except Exception as error:                 # a driver or Triton that refuses the early launch?
+        if not pdl:
+            raise
+        launch(False)                          # fails too (and raises its error) when the kernel itself is at fault
+        PDL = False
+        print(f"programmatic dependent launch failed here ({type(error).__name__}: {str(error)[:200]}); "
+              "stage 2 launches after stage 1 from now on")
     return out
 
 
-def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, scale, split_len=None):
-    """Split-KV decode attention (Flash-Decoding): same arguments and result as paged_attention."""
-    part_out, part_lse = split_stage1(q, k_cache, v_cache, block_tables, context_lens, scale, split_len)
-    return split_stage2(part_out, part_lse, torch.empty_like(q))
+def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, scale, split_len=None, pdl=None):
+    """Split-KV decode attention (Flash-Decoding): same arguments and result as paged_attention. `pdl`:
+    launch stage 2 early where the GPU can (default PDL; section 5)."""
+    part_out, part_lse = split_stage1(q, k_cache, v_cache, block_tables, context_lens, scale, split_len, pdl=pdl)
+    return split_stage2(part_out, part_lse, torch.empty_like(q), pdl=pdl)
 '''),
 tests("split_reduce_tests", 2, r"""
 from course.expect import expect_tensor

@@ -15,7 +15,8 @@ for kernels written in a notebook cell. sm_75 is a T4 (no bf16), sm_80 an A100, 
 
 `compile_report` also reads the compiled code: how many tensor-core instructions it holds
 (`mma.sync` on sm_80 and later, `wgmma` on sm_90), how many asynchronous copies (`cp.async`,
-the loads Triton pipelines across loop iterations when `num_stages` > 1) and how much shared
+the loads Triton pipelines across loop iterations when `num_stages` > 1), how many
+`griddepcontrol` instructions (programmatic dependent launch, sm_90 and later) and how much shared
 memory a program needs. Pointer arguments are compiled as 16-byte aligned, as PyTorch allocates
 them and as Triton specializes a real launch (without it, loads are not vectorized).
 """
@@ -50,7 +51,8 @@ _RUNNER = textwrap.dedent("""\
             ptx = k.asm["ptx"]
             out.append({"error": None, "mma": len(re.findall(r"\\bmma\\.sync", ptx)),
                         "wgmma": len(re.findall(r"\\bwgmma\\.mma_async", ptx)),
-                        "cp_async": len(re.findall(r"\\bcp\\.async\\.c[ag]\\.", ptx)), "shared": int(k.metadata.shared)})
+                        "cp_async": len(re.findall(r"\\bcp\\.async\\.c[ag]\\.", ptx)),
+                        "gdc": len(re.findall(r"\\bgriddepcontrol\\.", ptx)), "shared": int(k.metadata.shared)})
         except Exception as e:  # report, do not stop: the next target may compile
             out.append({"error": f"{type(e).__name__}: {str(e).strip()[-1500:]}"})
     print("RESULTS" + json.dumps(out))
@@ -86,7 +88,8 @@ def compile_many(source: str, jobs: list[tuple], timeout: float = 300) -> list[s
 def compile_report(source: str, jobs: list[tuple], timeout: float = 300, aligned: bool = True) -> list[dict]:
     """Like `compile_many`, with what each compiled kernel holds: a dict per job with `error`
     (None when it compiled) and, when it did, `mma` and `wgmma` (tensor-core instructions in the
-    PTX), `cp_async` (asynchronous copies: pipelined loads) and `shared` (bytes of shared memory).
+    PTX), `cp_async` (asynchronous copies: pipelined loads), `gdc` (griddepcontrol: programmatic
+    dependent launch) and `shared` (bytes of shared memory).
 
     A job is (kernel name, signature, constexprs, arch) or the same with a fifth item, compiler
     options such as {"num_warps": 4, "num_stages": 3}. `aligned`: compile pointer arguments as
