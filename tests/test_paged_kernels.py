@@ -18,67 +18,28 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 
-from autograder import SOLUTION_MARKERS, lab_notebook
+from autograder.lab_kernels import lab_source, load_lab_module
 from course.engine import PagedKVCache, SlotKVCache, block_table_tensor, forward_cached, forward_paged
 from course.kernels import compile_for_gpu, compile_report
 from course.kernels.compile_check import HEADER
 
-LAB = "06_triton_kernels"
 # The GPU proof runs this file with TRITON_INTERPRET=0 on a CUDA machine: there the compiled check (3.)
 # covers the kernels, and this session does not switch the interpreter on halfway (see conftest.py).
 COMPILED_SESSION = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 interpreter_only = pytest.mark.skipif(COMPILED_SESSION, reason="a compiled (GPU) session: see the compiled check")
 REPO = Path(__file__).resolve().parents[1]
-# the lab's cells that the kernels and their launchers need, in notebook order
-CELLS = ("store_kv_kernel", "kernel_launch", "paged_attention_v1", "paged_attention_v2", "paged_decode_split",
-         "split_launch", "split_reduce", "split_merge_launch", "paged_prefill", "prefill_launch")
-SOLUTIONS = {"store_kv_kernel", "paged_attention_v1", "paged_attention_v2", "paged_decode_split", "split_reduce",
-             "paged_prefill"}
-
-
-def lab_cells() -> dict[str, str]:
-    """The lab's cells by nbgrader grade_id, as the instructor wrote them."""
-    nb = nbformat.read(lab_notebook(LAB), as_version=4)
-    return {c.metadata.get("nbgrader", {}).get("grade_id"): c.source for c in nb.cells}
-
-
-def lab_source(gpu: bool) -> str:
-    """The kernels (solutions, markers removed) and the lab's launchers, as one module. `env` stands in
-    for course.setup()'s: on a GPU the launchers autotune, in the interpreter they do not."""
-    cells = lab_cells()
-    missing = [gid for gid in CELLS if gid not in cells]
-    assert not missing, f"the lab has no cells {missing}: update CELLS in {Path(__file__).name}"
-    body = []
-    for gid in CELLS:
-        lines = [line for line in cells[gid].splitlines() if not any(m in line for m in SOLUTION_MARKERS)]
-        body.append("\n".join(lines))
-    env = f"env = types.SimpleNamespace(gpu={gpu}, device={'cuda' if gpu else 'cpu'!r})\n"
-    return ("import types\nimport torch\nimport torch.nn.functional as F\n" + HEADER + env + "\n\n"
-            + "\n\n\n".join(body) + "\n")
-
-
-def load_lab_module(gpu: bool, directory: Path):
-    """Import lab_source(gpu) as a module (with TRITON_INTERPRET as the caller has set it)."""
-    path = directory / f"lab06_kernels_{'gpu' if gpu else 'cpu'}.py"
-    path.write_text(lab_source(gpu))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # --- 1. the compile check --------------------------------------------------------------------------
@@ -369,6 +330,43 @@ def test_stage2_launches_in_order_when_the_early_launch_fails(kernels, monkeypat
     assert kernels.PDL is False and "stage 2 launches after stage 1 from now on" in capsys.readouterr().out
     with pytest.raises(ValueError, match="do not fit"):                  # an error of the call itself is not a PDL failure
         kernels.split_stage2(part_out, part_lse[:, :, :1], out, pdl=True)
+
+
+@pytest.mark.slow
+def test_dev_split_kv_versions_compile_for_t4_a100_and_h100():
+    """dev/split_kv.py's prefetching stage 1 compiles where the lab's does, with every configuration it
+    times on sm_90, so a GPU session's minutes go to timing it, not to finding out that it fails."""
+    import importlib.util
+
+    from course.kernels import kernel_source
+
+    spec = importlib.util.spec_from_file_location("dev_split_kv", REPO / "dev" / "split_kv.py")
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    base = dict(SMOLLM2, GROUP=3, GROUP_PAD=16, DOT_F32=False)
+    jobs = []
+    for arch, dtype in ((75, "fp16"), (80, "bf16"), (90, "bf16")):
+        for tile, warps, stages in (dev.CONFIGS if arch == 90 else dev.CONFIGS[3:4]):
+            cx = dict(base, TILE=tile, USE_PDL=arch >= 90)
+            sig = {**_signature("paged_decode_split_kernel", dtype), **{n: "constexpr" for n in cx}}
+            jobs.append(("split_prefetch_kernel", sig, cx, arch, {"num_warps": warps, "num_stages": stages}))
+    report = compile_report(kernel_source(dev.split_prefetch_kernel), jobs, timeout=900)
+    failed = [f"sm_{arch} {cx} {opt}: {r['error']}" for (_, _, cx, arch, opt), r in zip(jobs, report) if r["error"]]
+    assert not failed, "\n".join(failed)
+    too_big = [f"sm_{arch} {cx} {opt}: {r['shared']}" for (_, _, cx, arch, opt), r in zip(jobs, report)
+               if r["shared"] > SHARED_LIMIT[arch]]
+    assert not too_big, too_big
+
+
+@interpreter_only
+def test_dev_split_kv_versions_match_the_reference():
+    """dev/split_kv.py's versions of stage 1 (what a GPU session times against the lab's) compute the
+    same attention: its own check, in the interpreter."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "dev/split_kv.py", "--check"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    found = re.search(r"(\d+) of (\d+) runs agree", proc.stdout)
+    assert proc.returncode == 0 and found and found[1] == found[2] and int(found[2]) >= 20, proc.stdout + proc.stderr[-3000:]
 
 
 # --- 3. compiled on a GPU --------------------------------------------------------------------------
