@@ -237,8 +237,8 @@ read before the wait.
 
 Those are the two given lines under `if USE_PDL:` in your kernels: stage 1 lets stage 2 launch as its
 programs start, stage 2 waits before its first load. The launchers pass `USE_PDL=PDL` to both kernels
-and `launch_pdl=PDL` to stage 2, with `PDL = pdl_available()` (and `pdl=False` turns it off for one
-call). What it saves is the time between the two kernels, which you measure here; on a GPU without
+and, when it is on, `launch_pdl=True` to stage 2, with `PDL = pdl_available()` (and `pdl=False` turns
+it off for one call). What it saves is the time between the two kernels, which you measure here; on a GPU without
 PDL the cell says so.
 """),
 code(r"""

@@ -365,7 +365,8 @@ def split_stage2(part_out, part_lse, out, pdl=None):
         raise ValueError(f"part_out {tuple(part_out.shape)}, part_lse {tuple(part_lse.shape)} and out {tuple(out.shape)} do not fit")
     pdl = PDL if pdl is None else pdl
     launch = lambda pdl: split_reduce_kernel[(B, H)](out, part_out, part_lse, n_splits, H=H, D=D,
-                                                     SPLITS_PAD=triton.next_power_of_2(n_splits), USE_PDL=pdl, launch_pdl=pdl)
+                                                     SPLITS_PAD=triton.next_power_of_2(n_splits), USE_PDL=pdl,
+                                                     **({"launch_pdl": True} if pdl else {}))   # (an older Triton lacks it)
     try:
         launch(pdl)
     except Exception as error:                 # a driver or Triton that refuses the early launch?
