@@ -129,6 +129,11 @@ def test_solution_kernels_compile_for_t4_a100_and_h100(kernels):
     assert {(n, a) for n, a, use, _ in pdl if use} >= {("paged_decode_split_kernel", 90), ("split_reduce_kernel", 90)}
     wrong = [(n, a, use, gdc) for n, a, use, gdc in pdl if (gdc > 0) != use]
     assert not wrong, f"griddepcontrol in the PTX where USE_PDL is off, or missing where it is on: {wrong}"
+    # stage 2 reads stage 1's results: its wait must come before every load (a Triton that hoisted a load
+    # above it would read partial results; Triton issue 11905 reports such a hoist for a wait inside a loop)
+    waits = [(arch, r["gdc_wait_first"]) for (name, sig, cx, arch, opt), r in zip(jobs, report)
+             if name == "split_reduce_kernel" and cx.get("USE_PDL")]
+    assert waits and all(first is True for _, first in waits), f"stage 2's gdc_wait is not before its loads: {waits}"
 
 
 @pytest.mark.slow
@@ -150,6 +155,30 @@ def test_compile_check_catches_what_the_interpreter_accepts():
         compile_for_gpu("x = 1", "x", {})
     with pytest.raises(ValueError, match="arch must be"):
         compile_report(source, [("first_negative", {}, {}, "sm_80")])
+
+
+@pytest.mark.slow
+def test_compile_report_says_whether_the_gdc_wait_comes_first():
+    source = HEADER + textwrap.dedent("""\
+        @triton.jit
+        def load_then_wait(x_ptr, y_ptr):
+            a = tl.load(x_ptr)
+            tl.extra.cuda.gdc_wait()
+            tl.store(y_ptr, a + tl.load(x_ptr + 1))
+
+        @triton.jit
+        def wait_then_load(x_ptr, y_ptr):
+            tl.extra.cuda.gdc_wait()
+            tl.store(y_ptr, tl.load(x_ptr))
+
+        @triton.jit
+        def no_wait(x_ptr, y_ptr):
+            tl.store(y_ptr, tl.load(x_ptr))
+    """)
+    sig = {"x_ptr": "*fp32", "y_ptr": "*fp32"}
+    names = ("load_then_wait", "wait_then_load", "no_wait")
+    report = compile_report(source, [(n, sig, {}, 90) for n in names])
+    assert [(r["error"], r["gdc_wait_first"]) for r in report] == [(None, False), (None, True), (None, None)], report
 
 
 def test_run_perf_report_sweeps_like_triton(monkeypatch):

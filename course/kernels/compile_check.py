@@ -16,8 +16,9 @@ for kernels written in a notebook cell. sm_75 is a T4 (no bf16), sm_80 an A100, 
 `compile_report` also reads the compiled code: how many tensor-core instructions it holds
 (`mma.sync` on sm_80 and later, `wgmma` on sm_90), how many asynchronous copies (`cp.async`,
 the loads Triton pipelines across loop iterations when `num_stages` > 1), how many
-`griddepcontrol` instructions (programmatic dependent launch, sm_90 and later) and how much shared
-memory a program needs. Pointer arguments are compiled as 16-byte aligned, as PyTorch allocates
+`griddepcontrol` instructions (programmatic dependent launch, sm_90 and later) and whether the
+`griddepcontrol.wait` comes before every global load (a load hoisted above it would read what the
+kernel before has not finished writing), and how much shared memory a program needs. Pointer arguments are compiled as 16-byte aligned, as PyTorch allocates
 them and as Triton specializes a real launch (without it, loads are not vectorized).
 """
 from __future__ import annotations
@@ -42,6 +43,10 @@ _RUNNER = textwrap.dedent("""\
     spec = importlib.util.spec_from_file_location("kernels_under_check", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    def _wait_first(ptx):     # None: no griddepcontrol.wait; else whether it comes before every global load
+        wait = ptx.find("griddepcontrol.wait")
+        loads = [m.start() for m in re.finditer(r"\\b(ld\\.global|cp\\.async\\.c[ag]|cp\\.async\\.bulk)", ptx)]
+        return None if wait < 0 else all(wait < i for i in loads)
     out = []
     for name, signature, constexprs, arch, options in jobs:
         attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if aligned and t.startswith("*")}
@@ -52,7 +57,8 @@ _RUNNER = textwrap.dedent("""\
             out.append({"error": None, "mma": len(re.findall(r"\\bmma\\.sync", ptx)),
                         "wgmma": len(re.findall(r"\\bwgmma\\.mma_async", ptx)),
                         "cp_async": len(re.findall(r"\\bcp\\.async\\.c[ag]\\.", ptx)),
-                        "gdc": len(re.findall(r"\\bgriddepcontrol\\.", ptx)), "shared": int(k.metadata.shared)})
+                        "gdc": len(re.findall(r"\\bgriddepcontrol\\.", ptx)),
+                        "gdc_wait_first": _wait_first(ptx), "shared": int(k.metadata.shared)})
         except Exception as e:  # report, do not stop: the next target may compile
             out.append({"error": f"{type(e).__name__}: {str(e).strip()[-1500:]}"})
     print("RESULTS" + json.dumps(out))
@@ -89,7 +95,8 @@ def compile_report(source: str, jobs: list[tuple], timeout: float = 300, aligned
     """Like `compile_many`, with what each compiled kernel holds: a dict per job with `error`
     (None when it compiled) and, when it did, `mma` and `wgmma` (tensor-core instructions in the
     PTX), `cp_async` (asynchronous copies: pipelined loads), `gdc` (griddepcontrol: programmatic
-    dependent launch) and `shared` (bytes of shared memory).
+    dependent launch), `gdc_wait_first` (None without a griddepcontrol.wait, else whether it precedes
+    every global load) and `shared` (bytes of shared memory).
 
     A job is (kernel name, signature, constexprs, arch) or the same with a fifth item, compiler
     options such as {"num_warps": 4, "num_stages": 3}. `aligned`: compile pointer arguments as
