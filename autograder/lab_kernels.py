@@ -3,7 +3,8 @@
 what dev/split_kv.py times beside its other versions.
 
     mod = load_lab_module(gpu=False, directory=tmp)       # TRITON_INTERPRET=1 set first, on a CPU
-    mod.paged_attention_split(q, k_cache, v_cache, tables, lens, scale)
+    q, k_cache, v_cache, tables, lens = mod.paged_case([5, 300], H=9, Hkv=3, D=64, block_size=16)
+    mod.paged_attention_split(q, k_cache, v_cache, tables, lens, scale)   # beside mod.paged_attention, the reference
 
 `env` stands in for course.setup()'s: on a GPU the launchers autotune, in the interpreter they do not.
 """
@@ -18,10 +19,8 @@ from course.kernels.compile_check import HEADER
 
 LAB = "06_triton_kernels"
 # the lab's cells that the kernels and their launchers need, in notebook order
-CELLS = ("store_kv_kernel", "kernel_launch", "paged_attention_v1", "paged_attention_v2", "paged_decode_split",
-         "split_launch", "split_reduce", "split_merge_launch", "paged_prefill", "prefill_launch")
-SOLUTIONS = {"store_kv_kernel", "paged_attention_v1", "paged_attention_v2", "paged_decode_split", "split_reduce",
-             "paged_prefill"}
+CELLS = ("store_kv_kernel", "kernel_launch", "paged_attention_v1", "paged_case", "paged_attention_v2",
+         "paged_decode_split", "split_launch", "split_reduce", "split_merge_launch", "paged_prefill", "prefill_launch")
 
 
 def lab_cells() -> dict[str, str]:
@@ -42,9 +41,10 @@ def lab_source(gpu: bool) -> str:
     for gid in CELLS:
         lines = [line for line in cells[gid].splitlines() if not any(m in line for m in SOLUTION_MARKERS)]
         body.append("\n".join(lines))
-    env = f"env = types.SimpleNamespace(gpu={gpu}, device={'cuda' if gpu else 'cpu'!r})\n"
-    return ("import types\nimport torch\nimport torch.nn.functional as F\n" + HEADER + env + "\n\n"
-            + "\n\n\n".join(body) + "\n")
+    env = f"env = types.SimpleNamespace(gpu={gpu}, device={'cuda' if gpu else 'cpu'!r})\ndev = env.device\n"
+    imports = ("import types\nfrom collections import deque\n\nimport torch\nimport torch.nn.functional as F\n\n"
+               "from course.engine import BlockAllocator, block_table_tensor, paged_attention, write_kv\n")
+    return imports + HEADER + env + "\n\n" + "\n\n\n".join(body) + "\n"
 
 
 def load_lab_module(gpu: bool, directory: Path):

@@ -48,6 +48,16 @@ GPU = torch.cuda.is_available()
 
 
 @triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, block, pos, valid, kv_head, d, dtype: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr):
+    """Keys and values (TILE, D) at positions `pos` of one sequence, their blocks given: as in the lab."""
+    offs = (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * (H_KV * D) + kv_head * D + d[None, :]
+    k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0).to(dtype)
+    v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0).to(dtype)
+    return k, v
+
+
+@triton.jit
 def split_prefetch_kernel(part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                           context_lens_ptr, scale, max_blocks, split_len, n_splits,
                           H: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -75,9 +85,7 @@ def split_prefetch_kernel(part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cach
     pos = start + j
     valid = pos < end
     block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    offs = (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * (H_KV * D) + kv_head * D + d[None, :]
-    k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
-    v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+    k, v = _kv_tile(k_cache_ptr, v_cache_ptr, block, pos, valid, kv_head, d, q.dtype, BLOCK_SIZE, H_KV, D)
     pos_1 = pos + TILE
     valid_1 = pos_1 < end
     block_1 = tl.load(table + pos_1 // BLOCK_SIZE, mask=valid_1, other=0).to(tl.int64)
@@ -86,9 +94,7 @@ def split_prefetch_kernel(part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cach
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
     for t0 in range(start, end, TILE):
         # first the loads: the next tile's keys and values (its block ids are here), the block ids after it
-        offs_1 = (block_1 * BLOCK_SIZE + pos_1 % BLOCK_SIZE)[:, None] * (H_KV * D) + kv_head * D + d[None, :]
-        k_1 = tl.load(k_cache_ptr + offs_1, mask=valid_1[:, None], other=0.0).to(q.dtype)
-        v_1 = tl.load(v_cache_ptr + offs_1, mask=valid_1[:, None], other=0.0).to(q.dtype)
+        k_1, v_1 = _kv_tile(k_cache_ptr, v_cache_ptr, block_1, pos_1, valid_1, kv_head, d, q.dtype, BLOCK_SIZE, H_KV, D)
         pos_2 = pos_1 + TILE
         valid_2 = pos_2 < end
         block_2 = tl.load(table + pos_2 // BLOCK_SIZE, mask=valid_2, other=0).to(tl.int64)
@@ -130,56 +136,6 @@ def split_attention(lab, kernel, q, k_cache, v_cache, tables, lens, scale, split
     return lab.split_stage2(part_out, part_lse, torch.empty_like(q), pdl=pdl)
 
 
-def make_case(lens, H, Hkv, D, block_size, dtype, device, seed=0):
-    """Paged inputs: each sequence's blocks shuffled over the cache, unused slots NaN."""
-    g = torch.Generator().manual_seed(seed)
-    n_blocks = sum(-(-n // block_size) for n in lens) + 2
-    order = torch.randperm(n_blocks, generator=g)
-    k_cache = torch.full((n_blocks, block_size, Hkv, D), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    width = max(-(-n // block_size) for n in lens)
-    tables = torch.zeros(len(lens), width, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(lens):
-        blocks = order[used:used + -(-n // block_size)]
-        used += len(blocks)
-        tables[b, :len(blocks)] = blocks.int()
-        for i in range(n):
-            k_cache[blocks[i // block_size], i % block_size] = torch.randn(Hkv, D, generator=g)
-            v_cache[blocks[i // block_size], i % block_size] = torch.randn(Hkv, D, generator=g)
-    q = torch.randn(len(lens), H, D, generator=g)
-    lens_t = torch.tensor(lens, dtype=torch.int32)
-    return tuple(t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
-                 for t in (q, k_cache, v_cache, tables, lens_t))
-
-
-def fast_case(batch, ctx, H, Hkv, D, block_size, dtype, device, seed=0):
-    """make_case for long contexts, built on the device: every sequence `ctx` tokens, blocks shuffled."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    per_seq = -(-ctx // block_size)
-    n_blocks = batch * per_seq
-    tables = torch.randperm(n_blocks, generator=g).int().view(batch, per_seq).to(device)
-    k_cache = torch.randn(n_blocks, block_size, Hkv, D, device=device, dtype=dtype)
-    v_cache = torch.randn(n_blocks, block_size, Hkv, D, device=device, dtype=dtype)
-    q = torch.randn(batch, H, D, device=device, dtype=dtype)
-    return q, k_cache, v_cache, tables, torch.full((batch,), ctx, dtype=torch.int32, device=device)
-
-
-def dense(q, k_cache, v_cache, tables, lens, scale):
-    """Decode attention in float64 from the block tables, one sequence at a time: (B, H, D)."""
-    B, H, D = q.shape
-    _, block_size, Hkv, _ = k_cache.shape
-    out = torch.empty(B, H, D, dtype=torch.float64)
-    for b in range(B):
-        n = int(lens[b])
-        rows = tables[b, :-(-n // block_size)].long().cpu()
-        k = k_cache.cpu()[rows].reshape(-1, Hkv, D)[:n].double().repeat_interleave(H // Hkv, 1)
-        v = v_cache.cpu()[rows].reshape(-1, Hkv, D)[:n].double().repeat_interleave(H // Hkv, 1)
-        s = torch.einsum("hd,lhd->hl", q[b].cpu().double(), k) * scale
-        out[b] = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
-    return out
-
-
 # (H, Hkv, block_size, lengths, split lengths): ragged lengths, a split of one block, splits that end inside
 # a block and a tile, more splits than a sequence has tokens, one split longer than every context
 CHECK_CASES = [(9, 3, 4, [1, 5, 13, 22], (4, 8, 40)), (8, 1, 8, [2, 8, 25], (3, 16, 33))]
@@ -190,7 +146,8 @@ def versions(lab) -> dict:
 
 
 def check(lab, device) -> list[dict]:
-    """Every version against the float64 reference, in fp32, fp16 and (where the GPU has it) bf16: on a GPU
+    """Every version against the course's reference (`paged_attention`, float32 inside, rounded to the
+    inputs' dtype), in fp32, fp16 and (where the GPU has it) bf16: on a GPU
     every configuration in the dtype it times, in the interpreter TILE 16. Returns one row per run."""
     dtypes = [torch.float32, torch.float16]
     if device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
@@ -201,8 +158,8 @@ def check(lab, device) -> list[dict]:
     for name, kernel in versions(lab).items():
         for H, Hkv, bs, lens, split_lens in CHECK_CASES:
             for dtype in dtypes:
-                args = make_case(lens, H, Hkv, 16, bs, dtype, device, seed=H + bs)
-                want = dense(*args, 0.25)
+                args = lab.paged_case(lens, H, Hkv, 16, bs, dtype=dtype, seed=H + bs)   # on the lab's device
+                want = lab.paged_attention(*args, 0.25).cpu().double()                # the course's reference
                 # a GPU: every configuration in the dtype it times, one in the others; the interpreter: TILE 16
                 configs = [(16, 4, 1)] if device != "cuda" else CONFIGS if dtype == timed else CONFIGS[3:4]
                 for split_len in split_lens:
@@ -229,7 +186,7 @@ def time_all(lab, shapes, dtype, device="cuda", bench=None, peak=None) -> list[d
     scale = D ** -0.5
     rows = []
     for batch, ctx in shapes:
-        args = fast_case(batch, ctx, H, Hkv, D, bs, dtype, device)
+        args = lab.paged_case([ctx] * batch, H, Hkv, D, bs, dtype=dtype)                  # on the lab's device
         nbytes = 2 * batch * ctx * Hkv * D * dtype.itemsize
         shape = f"{batch}x{ctx}"
 
@@ -294,7 +251,7 @@ def main(argv=None) -> int:
         device = "cuda" if GPU else "cpu"
         checked = check(lab, device)
         bad = [r for r in checked if not r["ok"]]
-        print(f"check on {device}: {len(checked) - len(bad)} of {len(checked)} runs agree with the float64 reference")
+        print(f"check on {device}: {len(checked) - len(bad)} of {len(checked)} runs agree with the course's reference")
         for r in bad:
             print(f"  FAIL {r['version']} {r['case']} {r['dtype']} split_len {r['split_len']} {r['config']}: {r['err']:.1e}")
         timed = []

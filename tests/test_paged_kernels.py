@@ -177,8 +177,10 @@ def test_compile_report_says_whether_the_gdc_wait_comes_first():
     """)
     sig = {"x_ptr": "*fp32", "y_ptr": "*fp32"}
     names = ("load_then_wait", "wait_then_load", "no_wait")
-    report = compile_report(source, [(n, sig, {}, 90) for n in names])
+    report = compile_report(source, [(n, sig, {}, 90) for n in names], ptx=True)
     assert [(r["error"], r["gdc_wait_first"]) for r in report] == [(None, False), (None, True), (None, None)], report
+    assert ["griddepcontrol.wait" in r["ptx"] for r in report] == [True, True, False]
+    assert "ptx" not in compile_report(source, [("no_wait", sig, {}, 90)])[0]
 
 
 def test_run_perf_report_sweeps_like_triton(monkeypatch):
@@ -379,7 +381,7 @@ def test_dev_split_kv_versions_compile_for_t4_a100_and_h100():
             cx = dict(base, TILE=tile, USE_PDL=arch >= 90)
             sig = {**_signature("paged_decode_split_kernel", dtype), **{n: "constexpr" for n in cx}}
             jobs.append(("split_prefetch_kernel", sig, cx, arch, {"num_warps": warps, "num_stages": stages}))
-    report = compile_report(kernel_source(dev.split_prefetch_kernel), jobs, timeout=900)
+    report = compile_report(kernel_source(dev._kv_tile, dev.split_prefetch_kernel), jobs, timeout=900)
     failed = [f"sm_{arch} {cx} {opt}: {r['error']}" for (_, _, cx, arch, opt), r in zip(jobs, report) if r["error"]]
     assert not failed, "\n".join(failed)
     too_big = [f"sm_{arch} {cx} {opt}: {r['shared']}" for (_, _, cx, arch, opt), r in zip(jobs, report)

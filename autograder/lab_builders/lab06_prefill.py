@@ -228,8 +228,8 @@ targets = env.pick([(75, "fp16"), (80, "bf16"), (90, "bf16")], [])
 if not targets:
     print("skipped in quick mode: each compilation takes seconds (tests/test_paged_kernels.py compiles the solutions)")
 else:
-    pdl = lambda name, arch: {"USE_PDL": arch >= 90} if "USE_PDL" in CONSTEXPRS[name] else {}   # sm_90: with PDL (section 5)
-    jobs = [(name_of(k), signature(name_of(k), dt), {**CONSTEXPRS[name_of(k)], **pdl(name_of(k), arch)}, arch,
+    with_pdl = lambda name, arch: {"USE_PDL": arch >= 90} if "USE_PDL" in CONSTEXPRS[name] else {}   # sm_90 (section 5)
+    jobs = [(name_of(k), signature(name_of(k), dt), {**CONSTEXPRS[name_of(k)], **with_pdl(name_of(k), arch)}, arch,
              {"num_warps": 4, "num_stages": 3}) for k in kernels for arch, dt in targets]
     report = compile_report(kernel_source(*kernels), jobs)
     print(f"{'kernel':<28}" + "".join(f"{f'sm_{a} {dt}':>36}" for a, dt in targets))

@@ -39,7 +39,7 @@ _RUNNER = textwrap.dedent("""\
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    path, jobs, aligned = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1"
+    path, jobs, aligned, keep_ptx = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
     spec = importlib.util.spec_from_file_location("kernels_under_check", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -59,6 +59,8 @@ _RUNNER = textwrap.dedent("""\
                         "cp_async": len(re.findall(r"\\bcp\\.async\\.c[ag]\\.", ptx)),
                         "gdc": len(re.findall(r"\\bgriddepcontrol\\.", ptx)),
                         "gdc_wait_first": _wait_first(ptx), "shared": int(k.metadata.shared)})
+            if keep_ptx:
+                out[-1]["ptx"] = ptx
         except Exception as e:  # report, do not stop: the next target may compile
             out.append({"error": f"{type(e).__name__}: {str(e).strip()[-1500:]}"})
     print("RESULTS" + json.dumps(out))
@@ -91,7 +93,8 @@ def compile_many(source: str, jobs: list[tuple], timeout: float = 300) -> list[s
     return [r["error"] for r in compile_report(source, jobs, timeout)]
 
 
-def compile_report(source: str, jobs: list[tuple], timeout: float = 300, aligned: bool = True) -> list[dict]:
+def compile_report(source: str, jobs: list[tuple], timeout: float = 300, aligned: bool = True,
+                   ptx: bool = False) -> list[dict]:
     """Like `compile_many`, with what each compiled kernel holds: a dict per job with `error`
     (None when it compiled) and, when it did, `mma` and `wgmma` (tensor-core instructions in the
     PTX), `cp_async` (asynchronous copies: pipelined loads), `gdc` (griddepcontrol: programmatic
@@ -100,7 +103,8 @@ def compile_report(source: str, jobs: list[tuple], timeout: float = 300, aligned
 
     A job is (kernel name, signature, constexprs, arch) or the same with a fifth item, compiler
     options such as {"num_warps": 4, "num_stages": 3}. `aligned`: compile pointer arguments as
-    16-byte aligned, as a launch with PyTorch tensors does."""
+    16-byte aligned, as a launch with PyTorch tensors does. `ptx`: also return each compiled
+    kernel's PTX text under `ptx`, to read the code the GPU would run."""
     if not isinstance(source, str) or "@triton.jit" not in source:
         raise ValueError("source must be Python text defining @triton.jit kernels (see kernel_source)")
     normal = []
@@ -117,7 +121,8 @@ def compile_report(source: str, jobs: list[tuple], timeout: float = 300, aligned
         path.write_text(source)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["TRITON_CACHE_DIR"] = str(Path(tmp) / "cache")      # a fresh compile every time, nothing left behind
-        proc = subprocess.run([sys.executable, "-c", _RUNNER, str(path), json.dumps(normal), "1" if aligned else "0"],
+        proc = subprocess.run([sys.executable, "-c", _RUNNER, str(path), json.dumps(normal), "1" if aligned else "0",
+                               "1" if ptx else "0"],
                               env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS")]
     if proc.returncode != 0 or not lines:
