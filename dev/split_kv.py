@@ -2,6 +2,7 @@
 >= 50% of HBM bandwidth at 32 sequences x 1k tokens on an H100), in the manner of llm.c's dev/cuda.
 
     python dev/split_kv.py --out split.json        # a GPU: check every version, then time them all
+    python dev/split_kv.py --budget-s 180 --out split.json   # the same, the sweep stopped after 180 s
     python dev/split_kv.py --check                 # a CPU: the check alone, in Triton's interpreter
 
 Versions of stage 1 (each followed by the lab's merge, `split_stage2`):
@@ -17,7 +18,8 @@ Timing: CUDA-graph replays over input copies that outrun the L2 cache (`course.k
 in bf16 (fp16 without bf16), for every version x split length x configuration (TILE, num_warps,
 num_stages), stage 2 launched in order and, on sm_90 and later, with programmatic dependent launch;
 beside them the lab's own launcher (autotuned, its split length) and SDPA on the same keys and values
-gathered contiguous. Prints the fastest rows per shape and writes every row to --out (JSON).
+gathered contiguous. Prints the fastest rows per shape and writes every row to --out (JSON), after the
+check and again after each shape, so that a run stopped at a time limit keeps what it measured.
 """
 from __future__ import annotations
 
@@ -171,9 +173,15 @@ def check(lab, device) -> list[dict]:
     return rows
 
 
-def time_all(lab, shapes, dtype, device="cuda", bench=None, peak=None) -> list[dict]:
+def time_all(lab, shapes, dtype, device="cuda", bench=None, peak=None, configs=CONFIGS, budget_s=None,
+             on_shape=None, clock=time.perf_counter) -> list[dict]:
     """Every version x split length x configuration at each (batch, ctx), in microseconds per call.
-    `bench` (default bench_replayed: ms per call) and `peak` (bytes/s) stand in for a GPU's in a dry run."""
+    `bench` (default bench_replayed: ms per call) and `peak` (bytes/s) stand in for a GPU's in a dry run.
+    `budget_s`: seconds for the sweep, shared evenly between the shapes. The sweep runs in groups, each
+    every version at one split length and configuration (the launcher's split length first), and a
+    shape's sweep stops between groups once its share is spent, saying how many rows it left out: what
+    was timed compares like with like. `on_shape(rows)` after each shape, to write what is measured so
+    far (a run cut off at its limit keeps it)."""
     import torch.nn.functional as F
 
     if bench is None:
@@ -185,7 +193,9 @@ def time_all(lab, shapes, dtype, device="cuda", bench=None, peak=None) -> list[d
     H, Hkv, D, bs = 9, 3, 64, 16                     # SmolLM2-135M
     scale = D ** -0.5
     rows = []
-    for batch, ctx in shapes:
+    started = clock()
+    for i, (batch, ctx) in enumerate(shapes):
+        stop_at = float("inf") if budget_s is None else started + budget_s * (i + 1) / len(shapes)
         args = lab.paged_case([ctx] * batch, H, Hkv, D, bs, dtype=dtype)                  # on the lab's device
         nbytes = 2 * batch * ctx * Hkv * D * dtype.itemsize
         shape = f"{batch}x{ctx}"
@@ -199,24 +209,28 @@ def time_all(lab, shapes, dtype, device="cuda", bench=None, peak=None) -> list[d
         add("sdpa (gathered)", bench_replayed(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale), qd, kd, vd) * 1e3)
         del kd, vd
         lab.paged_attention_split(*args, scale)                        # autotunes once, outside the graph
-        add("lab launcher", bench_replayed(lab.paged_attention_split, *args, scale) * 1e3,
-            split_len=lab.choose_split_len(batch, Hkv, ctx), pdl=lab.PDL)
+        chosen = lab.choose_split_len(batch, Hkv, ctx)
+        add("lab launcher", bench_replayed(lab.paged_attention_split, *args, scale) * 1e3, split_len=chosen, pdl=lab.PDL)
         want = lab.paged_attention_split(*args, scale).float()
-        split_lens = sorted({128, 256, 512, 1024, lab.choose_split_len(batch, Hkv, ctx)} & set(range(128, ctx + 1)))
-        for name, kernel in versions(lab).items():
-            for split_len in split_lens:
-                for config in CONFIGS:
-                    fn = partial(split_attention, lab, kernel, split_len=split_len, config=config, pdl=lab.PDL)
-                    try:
-                        err = (fn(*args, scale).float() - want).abs().max().item()
-                        us = bench_replayed(fn, *args, scale) * 1e3
-                    except Exception as e:  # noqa: BLE001 - one configuration out of resources is a row, not the end
-                        rows.append(dict(shape=shape, version=name, split_len=split_len, config=config, error=str(e)[:200]))
-                        continue
-                    add(name, us, split_len=split_len, config=config, pdl=lab.PDL, max_diff_vs_lab=err)
+        others = sorted({128, 256, 512, 1024} & set(range(128, ctx + 1)) - {chosen})
+        sweep = [(split_len, config, name, kernel) for split_len in [chosen] + others for config in configs
+                 for name, kernel in versions(lab).items()]
+        for n_done, (split_len, config, name, kernel) in enumerate(sweep):
+            if n_done % len(versions(lab)) == 0 and clock() > stop_at:      # a whole group, or none of it
+                rows.append(dict(shape=shape, left_out=len(sweep) - n_done, why=f"past the budget of {budget_s:g} s"))
+                print(f"  {shape}: budget spent, {len(sweep) - n_done} of {len(sweep)} sweep rows left out", flush=True)
+                break
+            fn = partial(split_attention, lab, kernel, split_len=split_len, config=config, pdl=lab.PDL)
+            try:
+                err = (fn(*args, scale).float() - want).abs().max().item()
+                us = bench_replayed(fn, *args, scale) * 1e3
+            except Exception as e:  # noqa: BLE001 - one configuration out of resources is a row, not the end
+                rows.append(dict(shape=shape, version=name, split_len=split_len, config=config, error=str(e)[:200]))
+                continue
+            add(name, us, split_len=split_len, config=config, pdl=lab.PDL, max_diff_vs_lab=err)
         if lab.PDL:                                                    # the fastest row of each version, in order
             for name, kernel in versions(lab).items():
-                best = min((r for r in rows if r["shape"] == shape and r["version"] == name and "us" in r),
+                best = min((r for r in rows if r["shape"] == shape and r.get("version") == name and "us" in r),
                            key=lambda r: r["us"], default=None)
                 if best is None:
                     continue
@@ -236,6 +250,8 @@ def time_all(lab, shapes, dtype, device="cuda", bench=None, peak=None) -> list[d
             if best:
                 print(f"  fastest {name}: {best['us']:.1f} us, {best['of_peak']:.1%} of peak "
                       f"(split_len {best['split_len']}, {best['config']}, pdl {best['pdl']})")
+        if on_shape:
+            on_shape(rows)
     return rows
 
 
@@ -243,27 +259,39 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="check the versions only (what a CPU can do)")
     parser.add_argument("--shapes", default="32x1024,8x8192", help="batch x context pairs to time (GPU)")
-    parser.add_argument("--out", type=Path, help="write every row (check and timing) to this JSON file")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for the timing sweep, shared between the shapes (default: no limit)")
+    parser.add_argument("--out", type=Path, help="write every row (check and timing) to this JSON file, "
+                                                 "after the check and again after each shape")
     args = parser.parse_args(argv)
+    if args.budget_s is not None and args.budget_s <= 0:
+        parser.error(f"--budget-s must be a number of seconds > 0, got {args.budget_s:g}")
     started = time.time()
+    checked, timed = [], []
+
+    def write(rows=None):
+        if args.out:
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0) if GPU else "cpu", "check": checked,
+                                            "timing": timed if rows is None else rows,
+                                            "seconds": round(time.time() - started, 1)}, indent=1))
+
     with tempfile.TemporaryDirectory(prefix="split-kv-dev-") as tmp:
         lab = load_lab_module(gpu=GPU, directory=Path(tmp))
         device = "cuda" if GPU else "cpu"
         checked = check(lab, device)
         bad = [r for r in checked if not r["ok"]]
-        print(f"check on {device}: {len(checked) - len(bad)} of {len(checked)} runs agree with the course's reference")
+        print(f"check on {device}: {len(checked) - len(bad)} of {len(checked)} runs agree with the course's reference",
+              flush=True)
         for r in bad:
             print(f"  FAIL {r['version']} {r['case']} {r['dtype']} split_len {r['split_len']} {r['config']}: {r['err']:.1e}")
-        timed = []
+        write()
         if GPU and not args.check and not bad:
             dtype = torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
             shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-            timed = time_all(lab, shapes, dtype)
+            timed = time_all(lab, shapes, dtype, budget_s=args.budget_s, on_shape=write)
         elif not GPU and not args.check:
             print("no GPU here: nothing to time (pass --check to say so)")
-    if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0) if GPU else "cpu", "check": checked,
-                                        "timing": timed, "seconds": round(time.time() - started, 1)}, indent=1))
+    write()
     return 1 if bad else 0
 
 

@@ -400,6 +400,42 @@ def test_dev_split_kv_versions_match_the_reference():
     assert proc.returncode == 0 and found and found[1] == found[2] and int(found[2]) >= 20, proc.stdout + proc.stderr[-3000:]
 
 
+
+@interpreter_only
+def test_dev_split_kv_timing_sweep_keeps_to_its_budget(tmp_path):
+    """dev/split_kv.py's timing path, dry (a stand-in timer and clock; kernels in the interpreter): every
+    timed row agrees with the lab's launcher, the launcher's split length goes first with both versions
+    side by side, a spent budget stops a shape's sweep and says how many rows it left out, and each shape
+    is handed on when done, so a GPU run cut off at its limit keeps what it measured."""
+    import importlib.util
+
+    from autograder.lab_kernels import load_lab_module
+
+    spec = importlib.util.spec_from_file_location("dev_split_kv", REPO / "dev" / "split_kv.py")
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    lab = load_lab_module(gpu=False, directory=tmp_path)
+    ticks = iter(range(10**6))
+    handed = []
+    rows = dev.time_all(lab, [(2, 256), (1, 128)], torch.float32, device="cpu", bench=lambda fn, *a: (fn(*a), 0.01)[1],
+                        peak=1e12, configs=[(16, 4, 1), (32, 4, 1)], budget_s=4, clock=lambda: next(ticks),
+                        on_shape=lambda r: handed.append(len(r)))
+    assert handed == [len([r for r in rows if r["shape"] == "2x256"]), len(rows)]
+    swept = [r for r in rows if "config" in r and "us" in r]
+    assert swept and all(r["max_diff_vs_lab"] < 1e-4 for r in swept), swept
+    first = [r for r in swept if r["shape"] == "2x256"][:2]
+    assert [r["version"] for r in first] == ["lab", "prefetch"]
+    assert all(r["split_len"] == lab.choose_split_len(2, 3, 256) for r in first)
+    cut = [r for r in rows if "left_out" in r]
+    assert cut and cut[0]["shape"] == "2x256", rows
+    n_sweep = 2 * 2 * 2                                   # (split lengths 128, 256) x configs x versions
+    assert cut[0]["left_out"] + len([r for r in swept if r["shape"] == "2x256"]) == n_sweep
+    assert any(r["shape"] == "1x128" for r in swept), "the second shape got no share of the budget"
+    for shape in ("2x256", "1x128"):                       # whole groups: each version as often as the other
+        got = [r["version"] for r in swept if r["shape"] == shape]
+        assert got.count("lab") == got.count("prefetch"), (shape, got)
+    assert {r["version"] for r in rows if "us" in r and "config" not in r} == {"sdpa (gathered)", "lab launcher"}
+
 # --- 3. compiled on a GPU --------------------------------------------------------------------------
 
 def run_checks(device: str) -> list[dict]:
