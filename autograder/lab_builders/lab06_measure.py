@@ -515,9 +515,10 @@ md(r"""
   say compiles to a loop that begins with `cp.async.wait_group 0` (wait for every copy in flight),
   runs its `mma`s, and only then issues the next tile's copies, for each `num_stages` the launcher
   tunes: a key's address comes from a block-table load in the same loop, and the pipeliner gives
-  such gathered loads one tile of lead, issued after the arithmetic. Prefetch by hand: at the top of the loop load the next tile's keys and values (their
-  block ids loaded one iteration earlier) and the block ids after them, then compute with the tile
-  you already hold, and pass the new one to the next iteration. Check it against `split_reference`
+  such gathered loads one tile of lead, issued after the arithmetic. Prefetch by hand: at the top
+  of the loop load the next tile's keys and values (their block ids loaded one iteration earlier)
+  and the block ids after them, then compute with the tile you already hold, and pass the new one
+  to the next iteration. Check it against `split_reference`
   and time both with `bench_replayed`: whether it pays is your GPU's call.
 - **vLLM**: its first CUDA kernel (PagedAttention v1) gave each thread group one block at a time, like
   your v1; "PagedAttention v2" split the context into partitions of 512 tokens and reduced them, like your
