@@ -92,6 +92,40 @@ def prefer_flash_attention() -> None:
     os.environ.setdefault(CUDNN_SDPA_ENV, "1")
 
 
+def _release(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a version string such as '3.6.0' or '2.4.0rc1+local'; None when unreadable."""
+    import re
+
+    found = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why Triton's interpreter (what lab 06's kernels run on without a GPU) would fail here, or None.
+
+    Triton 3.4 to 3.6 (torch 2.8 to 2.11's CUDA wheels pin them) convert one-element NumPy arrays to
+    Python ints inside the interpreter, which NumPy 2.4 refuses: every kernel then stops with
+    "only 0-dimensional arrays can be converted to Python scalars". NumPy 2.3 or Triton 3.7 works
+    (checked here with 3.4.0, 3.5.1, 3.6.0 and 3.7.0 against NumPy 2.3.5 and 2.4.6). The versions
+    default to the installed ones, read without importing either package."""
+    from importlib import metadata
+
+    def installed(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    triton_version = triton_version or installed("triton")
+    numpy_version = numpy_version or installed("numpy")
+    t, n = _release(triton_version), _release(numpy_version)
+    if t is None or n is None or t >= (3, 7) or n < (2, 4):
+        return None
+    return (f"Triton {triton_version} cannot run kernels in its interpreter with NumPy {numpy_version} (lab 06 on a "
+            f"CPU fails with \"only 0-dimensional arrays can be converted to Python scalars\"). Install NumPy "
+            f"below 2.4 (pip install \"numpy<2.4\") or Triton 3.7 or later, then restart the kernel.")
+
+
 def choose_device(device: str | None = None) -> str:
     """'cuda' when a GPU is usable, else 'cpu'. An explicit choice is checked, not trusted."""
     import torch
@@ -125,7 +159,8 @@ def setup(seed: int = 0, device: str | None = None, quiet: bool = True, verbose:
     attention kernels (`prefer_flash_attention`). Returns an `Environment`.
 
     Call it before anything imports Triton kernels: without a GPU it sets TRITON_INTERPRET=1,
-    which Triton reads when `@triton.jit` runs, so kernels run (slowly) in the interpreter.
+    which Triton reads when `@triton.jit` runs, so kernels run (slowly) in the interpreter; it then
+    warns (on stdout) if the installed Triton and NumPy cannot (`interpreter_problem`).
     """
     if not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
@@ -142,6 +177,9 @@ def setup(seed: int = 0, device: str | None = None, quiet: bool = True, verbose:
                       dtype=choose_dtype(dev, dtype))
     if verbose:
         print(summary(env))
+    problem = interpreter_problem() if interpreted else None
+    if problem:                                   # stdout: a grading kernel scores stderr as a failure
+        print("warning:", problem)
     return env
 
 

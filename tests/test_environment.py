@@ -37,6 +37,28 @@ def test_setup_puts_cudnn_attention_last_only_on_a_gpu_and_respects_a_choice(mon
     assert os.environ[CUDNN_SDPA_ENV] == "0"
 
 
+
+def test_setup_warns_when_the_installed_triton_and_numpy_break_the_interpreter(capsys, monkeypatch):
+    """Triton 3.4-3.6's interpreter fails with NumPy >= 2.4 (lab 06 on a CPU): setup() says so, on stdout,
+    naming both versions and the fix; other pairs, and a GPU, get no warning."""
+    from importlib import metadata
+
+    from course.environment import interpreter_problem
+
+    said = interpreter_problem("3.6.0", "2.4.6")
+    assert said and "Triton 3.6.0" in said and "NumPy 2.4.6" in said and 'numpy<2.4' in said and "3.7" in said
+    assert interpreter_problem("3.4.0", "2.4.0rc1") and interpreter_problem("3.5.1", "3.0.0")
+    for fine in (("3.7.0", "2.4.6"), ("3.7.1+git0abc", "2.4.6"), ("3.6.0", "2.3.5"), ("3.9.0", "1.26.4"), ("x", "2.4.6")):
+        assert interpreter_problem(*fine) is None, fine
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: {"triton": "3.6.0", "numpy": "2.4.6"}.get(name) or real(name))
+    course.setup(device="cpu", verbose=False)
+    out = capsys.readouterr()
+    assert "warning: Triton 3.6.0 cannot run kernels in its interpreter" in out.out and not out.err
+    monkeypatch.setattr(metadata, "version", lambda name: {"triton": "3.7.1", "numpy": "2.4.6"}.get(name) or real(name))
+    course.setup(device="cpu", verbose=False)
+    assert capsys.readouterr().out == ""
+
 def test_pick_sizes_demos_by_mode_and_device():
     cpu_full, cpu_quick = Environment("cpu", False, True, 0), Environment("cpu", True, True, 0)
     gpu = Environment("cuda", False, False, 0)
