@@ -511,7 +511,7 @@ md(r"""
   `bench_replayed`. (On the H200 we tried, at 32 x 1k, it did not: 13.2 µs against 12.2 µs.)
 - **Read the loop you compiled.** `compile_report(kernel_source(paged_decode_split_kernel), jobs,
   ptx=True)`, with a job for stage 1 as in the compile check above, returns each kernel's PTX under
-  `"ptx"` (no GPU needed). With Triton 3.7 for sm_90, a stage 1 written as the steps above
+  `"ptx"` (no GPU needed). With Triton 3.6 or 3.7 for sm_90, a stage 1 written as the steps above
   say compiles to a loop that begins with `cp.async.wait_group 0` (wait for every copy in flight),
   runs its `mma`s, and only then issues the next tile's copies, for each `num_stages` the launcher
   tunes: a key's address comes from a block-table load in the same loop, and the pipeliner gives
