@@ -37,10 +37,9 @@ def test_setup_puts_cudnn_attention_last_only_on_a_gpu_and_respects_a_choice(mon
     assert os.environ[CUDNN_SDPA_ENV] == "0"
 
 
-
 def test_setup_warns_when_the_installed_triton_and_numpy_break_the_interpreter(capsys, monkeypatch):
     """Triton 3.4-3.6's interpreter fails with NumPy >= 2.4 (lab 06 on a CPU): setup() says so, on stdout,
-    naming both versions and the fix; other pairs, and a GPU, get no warning."""
+    naming both versions and the fix; other pairs get no warning."""
     from importlib import metadata
 
     from course.environment import interpreter_problem
@@ -58,6 +57,7 @@ def test_setup_warns_when_the_installed_triton_and_numpy_break_the_interpreter(c
     monkeypatch.setattr(metadata, "version", lambda name: {"triton": "3.7.1", "numpy": "2.4.6"}.get(name) or real(name))
     course.setup(device="cpu", verbose=False)
     assert capsys.readouterr().out == ""
+
 
 def test_pick_sizes_demos_by_mode_and_device():
     cpu_full, cpu_quick = Environment("cpu", False, True, 0), Environment("cpu", True, True, 0)

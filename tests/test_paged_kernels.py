@@ -400,7 +400,6 @@ def test_dev_split_kv_versions_match_the_reference():
     assert proc.returncode == 0 and found and found[1] == found[2] and int(found[2]) >= 20, proc.stdout + proc.stderr[-3000:]
 
 
-
 @interpreter_only
 def test_dev_split_kv_timing_sweep_keeps_to_its_budget(tmp_path):
     """dev/split_kv.py's timing path, dry (a stand-in timer and clock; kernels in the interpreter): every
@@ -435,6 +434,7 @@ def test_dev_split_kv_timing_sweep_keeps_to_its_budget(tmp_path):
         got = [r["version"] for r in swept if r["shape"] == shape]
         assert got.count("lab") == got.count("prefetch"), (shape, got)
     assert {r["version"] for r in rows if "us" in r and "config" not in r} == {"sdpa (gathered)", "lab launcher"}
+
 
 # --- 3. compiled on a GPU --------------------------------------------------------------------------
 
