@@ -50,10 +50,11 @@ printed lines you need (the report holds only what `record` kept). Again on 2026
 machine started in 29 s, the install took 46 s, all 12 labs in quick mode with --jobs 6 about 110 s;
 full mode, one at a time: 03 175 s, 06 64 s, 09 50 s.
 
-Issue 16's split-KV target has its own experiment beside this proof: `python dev/split_kv.py --out
-$OUT/split.json` checks and times versions of the kernel's stage 1 (the lab's and one that issues
-its loads a tile ahead) over split lengths and configurations; run it in the same command as lab 06
-in full mode, whose new cell measures what programmatic dependent launch saves.
+Issue 16's split-KV target has its own experiment beside this proof: `python dev/split_kv.py
+--budget-s 180 --out $OUT/split.json` checks and times versions of the kernel's stage 1 (the lab's
+and one that issues its loads a tile ahead) over split lengths and configurations, its sweep cut off
+after 180 s, the JSON rewritten after each shape; run it in the same command after lab 06 in full
+mode (`--no-kernels --no-class`), whose new cell measures what programmatic dependent launch saves.
 """
 from __future__ import annotations
 
