@@ -363,17 +363,23 @@ def test_stage2_launches_in_order_when_the_early_launch_fails(kernels, monkeypat
         kernels.split_stage2(part_out, part_lse[:, :, :1], out, pdl=True)
 
 
-@pytest.mark.slow
-def test_dev_split_kv_versions_compile_for_t4_a100_and_h100():
-    """dev/split_kv.py's prefetching stage 1 compiles where the lab's does, with every configuration it
-    times on sm_90, so a GPU session's minutes go to timing it, not to finding out that it fails."""
+def _dev_split_kv():
+    """dev/split_kv.py as a module (it is a script, not a package)."""
     import importlib.util
-
-    from course.kernels import kernel_source
 
     spec = importlib.util.spec_from_file_location("dev_split_kv", REPO / "dev" / "split_kv.py")
     dev = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dev)
+    return dev
+
+
+@pytest.mark.slow
+def test_dev_split_kv_versions_compile_for_t4_a100_and_h100():
+    """dev/split_kv.py's prefetching stage 1 compiles where the lab's does, with every configuration it
+    times on sm_90, so a GPU session's minutes go to timing it, not to finding out that it fails."""
+    from course.kernels import kernel_source
+
+    dev = _dev_split_kv()
     base = dict(SMOLLM2, GROUP=3, GROUP_PAD=16, DOT_F32=False)
     jobs = []
     for arch, dtype in ((75, "fp16"), (80, "bf16"), (90, "bf16")):
@@ -401,19 +407,12 @@ def test_dev_split_kv_versions_match_the_reference():
 
 
 @interpreter_only
-def test_dev_split_kv_timing_sweep_keeps_to_its_budget(tmp_path):
+def test_dev_split_kv_timing_sweep_keeps_to_its_budget(kernels):
     """dev/split_kv.py's timing path, dry (a stand-in timer and clock; kernels in the interpreter): every
     timed row agrees with the lab's launcher, the launcher's split length goes first with both versions
     side by side, a spent budget stops a shape's sweep and says how many rows it left out, and each shape
     is handed on when done, so a GPU run cut off at its limit keeps what it measured."""
-    import importlib.util
-
-    from autograder.lab_kernels import load_lab_module
-
-    spec = importlib.util.spec_from_file_location("dev_split_kv", REPO / "dev" / "split_kv.py")
-    dev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dev)
-    lab = load_lab_module(gpu=False, directory=tmp_path)
+    dev, lab = _dev_split_kv(), kernels
     ticks = iter(range(10**6))
     handed = []
     rows = dev.time_all(lab, [(2, 256), (1, 128)], torch.float32, device="cpu", bench=lambda fn, *a: (fn(*a), 0.01)[1],

@@ -422,8 +422,8 @@ stays straight. (In quick mode, as when the tests run this notebook, the few new
 little text for the bend to show; the full run's do.) On a GPU, at this model size, it may not show
 yet: a pass over a few dozen tokens costs about what a pass over one does, because launching its
 kernels takes most of the time, and your lean loop can even beat `generate`, which does more
-bookkeeping per step (the ratio you printed says). Lab 02 measures why, and the two phases the cache creates (prefill and decode); lab 03 has
-you build the cache.
+bookkeeping per step (the ratio you printed says). Lab 02 measures why, and the two phases the
+cache creates (prefill and decode); lab 03 has you build the cache.
 
 ## Summary
 

@@ -238,8 +238,8 @@ read before the wait.
 Those are the two given lines under `if USE_PDL:` in your kernels: stage 1 lets stage 2 launch as its
 programs start, stage 2 waits before its first load. The launchers pass `USE_PDL=PDL` to both kernels
 and, when it is on, `launch_pdl=True` to stage 2, with `PDL = pdl_available()` (and `pdl=False` turns
-it off for one call). What it saves is the time between the two kernels, which you measure here; on a GPU without
-PDL the cell says so.
+it off for one call). What it saves is the time between the two kernels, which you measure here; on
+a GPU without PDL the cell says so.
 """),
 code(r"""
 if not env.gpu:
@@ -393,8 +393,9 @@ and say what you expect a GPU to show):
 
 1. At 32 x 1k and at 8 x 8k, what fraction of the roofline does your best kernel reach, and how fast is
    it next to SDPA on gathered keys and values? Which of the two shapes is closer to the roofline, and why?
-2. From the profile: what share of a call is stage 2? How much did launching it early (PDL) save on your
-   GPU, and what is left of the gap between the two kernels? What would it cost to merge inside stage 1 instead?
+2. From the profile: what share of a call is stage 2? How much did launching it early (PDL) save on
+   your GPU, and what is left of the gap between the two kernels? What would it cost to merge inside
+   stage 1 instead?
 3. Name two more reasons your kernel is below the roofline that you can see in your numbers (think of
    the gap between two kernels of a graph against a floor of microseconds, the number of programs
    against the SMs, the last wave of programs, the padded rows of `tl.dot`, the `TILE` autotuning
@@ -518,8 +519,8 @@ md(r"""
   such gathered loads one tile of lead, issued after the arithmetic. Prefetch by hand: at the top
   of the loop load the next tile's keys and values (their block ids loaded one iteration earlier)
   and the block ids after them, then compute with the tile you already hold, and pass the new one
-  to the next iteration. Check it against `split_reference`
-  and time both with `bench_replayed`: whether it pays is your GPU's call.
+  to the next iteration. Check it against `split_reference` and time both with `bench_replayed`:
+  whether it pays is your GPU's call.
 - **vLLM**: its first CUDA kernel (PagedAttention v1) gave each thread group one block at a time, like
   your v1; "PagedAttention v2" split the context into partitions of 512 tokens and reduced them, like your
   split-KV; its V1 engine added a *unified* Triton attention backend (one kernel for mixed prefill and

@@ -247,12 +247,12 @@ else:
 """),
 md(r"""
 Read your table (each cell: tensor-core instructions, asynchronous copies, shared memory per
-program). With Triton 3.6 or 3.7 the v1 and v2 kernels hold no tensor-core instruction (their `tl.sum` of
-products runs on ordinary cores), while the split-KV and prefill kernels use `mma` on sm_80, and on
-sm_90 the prefill's tiles of 64 queries get Hopper's `wgmma`; on sm_75 neither does: there Triton's
-`tl.dot` runs on ordinary cores too. The `cp.async` counts show which kernels' loads are pipelined
-across iterations. On sm_90 the split-KV pair is compiled with `USE_PDL=True` (section 5), and `gdc`
-counts the `griddepcontrol` instructions its two given lines become. Another Triton version may compile
-differently: the table is your compiler's.
+program). With Triton 3.6 or 3.7 the v1 and v2 kernels hold no tensor-core instruction (their
+`tl.sum` of products runs on ordinary cores), while the split-KV and prefill kernels use `mma` on
+sm_80, and on sm_90 the prefill's tiles of 64 queries get Hopper's `wgmma`; on sm_75 neither does:
+there Triton's `tl.dot` runs on ordinary cores too. The `cp.async` counts show which kernels' loads
+are pipelined across iterations. On sm_90 the split-KV pair is compiled with `USE_PDL=True`
+(section 5), and `gdc` counts the `griddepcontrol` instructions its two given lines become. Another
+Triton version may compile differently: the table is your compiler's.
 """),
 ]

@@ -18,8 +18,9 @@ for kernels written in a notebook cell. sm_75 is a T4 (no bf16), sm_80 an A100, 
 the loads Triton pipelines across loop iterations when `num_stages` > 1), how many
 `griddepcontrol` instructions (programmatic dependent launch, sm_90 and later) and whether the
 `griddepcontrol.wait` comes before every global load (a load hoisted above it would read what the
-kernel before has not finished writing), and how much shared memory a program needs. Pointer arguments are compiled as 16-byte aligned, as PyTorch allocates
-them and as Triton specializes a real launch (without it, loads are not vectorized).
+kernel before has not finished writing), and how much shared memory a program needs. Pointer
+arguments are compiled as 16-byte aligned, as PyTorch allocates them and as Triton specializes a
+real launch (without it, loads are not vectorized).
 """
 from __future__ import annotations
 
