@@ -1,6 +1,7 @@
 """`make grade` (autograder/grade/) on a simulated class, and each of its defenses on its own.
 
-Fast (no kernel): repair, the static scan, zip and class-list collection, feedback lines, self_check.
+Fast (no kernel): repair, the static scan, zip and class-list collection, feedback lines, self_check,
+the fixture specs' wrong answers still finding their lines.
 Defenses (tiny notebooks, a few seconds each): every tamper defense is run with and without the
 guard, so each test shows the attack working without it and failing with it.
 Slow (the fixture class of autograder/fixtures/, graded once per session with JOBS=2 as `make grade`
@@ -111,6 +112,36 @@ def test_a_lab_without_a_fixture_spec_gets_generic_fixtures():
     assert bugs[0].cell == "double" and set(bugs[0].fails) == {"double_tests", "quad_tests"}, "quad is built on double"
     full = nbformat.v4.new_notebook(cells=[nbformat.from_dict(c) for c in source.cells])
     assert "return None" in with_bug(full, "99_no_spec", bugs[0]).cells[1].source
+
+
+def test_every_documented_wrong_answer_still_finds_its_line():
+    """Each spec's planted mistakes (BUGS, graded in the simulated class below) and documented ones
+    (MORE_BUGS, run by hand with `python -m autograder.fixtures.more_bugs LAB`) still find the line they
+    change in the lab's source, change it, and name test cells the lab has: a lab edit that leaves one
+    stale fails here, not at the next hand run."""
+    import importlib
+
+    from autograder.fixtures import StaleSpec, grade_id, with_bug
+
+    problems = []
+    for lab in LAB_NAMES:
+        try:
+            spec = importlib.import_module(f"autograder.fixtures.specs.l{lab}")
+        except ModuleNotFoundError:
+            continue
+        source = nbformat.read(lab_notebook(lab), as_version=4)
+        ids = {grade_id(c) for c in source.cells}
+        for bug in [*spec.BUGS, *getattr(spec, "MORE_BUGS", [])]:
+            try:
+                planted = with_bug(source, lab, bug)
+            except StaleSpec as e:
+                problems.append(str(e))
+                continue
+            if [c.source for c in planted.cells] == [c.source for c in source.cells]:
+                problems.append(f"{lab}: bug {bug.name!r} changes nothing")
+            if not bug.fails or not set(bug.fails) <= ids:
+                problems.append(f"{lab}: bug {bug.name!r} names test cells {sorted(set(bug.fails) - ids)} the lab lacks")
+    assert not problems, "\n".join(problems)
 
 
 def test_the_yes_man_replaces_every_kind_of_solution_region():
