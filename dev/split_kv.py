@@ -13,6 +13,7 @@ Versions of stage 1 (each followed by the lab's merge, `split_stage2`):
             next tile's loads, for every num_stages the launcher tunes: its gathered loads (the address
             comes from a block-table load in the same loop) get one tile in flight and no overlap with
             the arithmetic. Here the loads are plain register loads, issued first.
+            dev/lab06_lookahead.patch makes it the lab's solution (Problem 4).
 
 Timing: CUDA-graph replays over input copies that outrun the L2 cache (`course.kernels.bench_replayed`),
 in bf16 (fp16 without bf16), for every version x split length x configuration (TILE, num_warps,

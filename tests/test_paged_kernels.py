@@ -373,6 +373,14 @@ def _dev_split_kv():
     return dev
 
 
+def test_dev_lookahead_patch_still_applies():
+    """dev/lab06_lookahead.patch (Problem 4 with a look-ahead, for a GPU session to apply if an H100 shows it
+    reaches issue 16's target) applies to this tree, so that an edit of lab 06 cannot leave it behind."""
+    proc = subprocess.run(["git", "apply", "--check", "dev/lab06_lookahead.patch"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
 @pytest.mark.slow
 def test_dev_split_kv_versions_compile_for_t4_a100_and_h100():
     """dev/split_kv.py's prefetching stage 1 compiles where the lab's does, with every configuration it
