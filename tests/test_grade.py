@@ -139,8 +139,10 @@ def test_every_documented_wrong_answer_still_finds_its_line():
                 continue
             if [c.source for c in planted.cells] == [c.source for c in source.cells]:
                 problems.append(f"{lab}: bug {bug.name!r} changes nothing")
-            if not bug.fails or not set(bug.fails) <= ids:
-                problems.append(f"{lab}: bug {bug.name!r} names test cells {sorted(set(bug.fails) - ids)} the lab lacks")
+            missing = sorted(set(bug.fails) - ids)
+            if not bug.fails or missing:
+                problems.append(f"{lab}: bug {bug.name!r} must name test cells of the lab that fail; "
+                                f"names {list(bug.fails)}" + (f", of which the lab lacks {missing}" if missing else ""))
     assert not problems, "\n".join(problems)
 
 
