@@ -55,6 +55,8 @@ Issue 16's split-KV target has its own experiment beside this proof: `python dev
 and one that issues its loads a tile ahead) over split lengths and configurations, its sweep cut off
 after 180 s, the JSON rewritten after each shape; run it in the same command after lab 06 in full
 mode (`--no-kernels --no-class`), whose new cell measures what programmatic dependent launch saves.
+If only the look-ahead version reaches the target, `dev/lab06_lookahead.patch` makes it the lab's
+solution (its header says how to apply it); then run lab 06 again.
 """
 from __future__ import annotations
 
