@@ -355,8 +355,9 @@ Read your numbers; the effect is what the picture predicted. Under prefill-first
 prefill stretches one gap of every chat: the step that prefills it, plus the decode step that then
 delivers the chat's token. With a few dozen gaps per chat, those few long ones **are** the p99 (and
 the max). Under chunked prefill the longest gap is one step of at most `BUDGET` tokens, so the p99
-drops by about the ratio of a document's prefill to one chunked step. In full mode the median moves little: most steps are plain decodes under both policies. (Quick
-mode's run is short and chunks ride in a large share of its steps, so its median moves more.)
+drops by about the ratio of a document's prefill to one chunked step. In full mode the median moves
+little: most steps are plain decodes under both policies. (Quick mode's run is short and chunks ride
+in a large share of its steps, so its median moves more.)
 Throughput stays close, and may even grow: the same tokens are computed, and the chunks'
 steps also carry the decodes, so the documents' prompts cost no steps of their own in which the
 chats wait. The price is paid by the documents: their TTFT grows, since their prompt now shares its
