@@ -113,7 +113,9 @@ def cell_failures(nb: NotebookNode) -> dict[str, str]:
         score, max_score = determine_grade(cell)
         problems = _errors(cell)
         if score < max_score and not problems:
-            problems = [f"partial credit {score}/{max_score} from its last value"]
+            lost = [line.strip() for o in cell.get("outputs", []) if o.output_type == "stream" and o.name == "stdout"
+                    for line in o.text.splitlines() if line.startswith("  \u2717 ")]   # course.expect.Cases.MARK
+            problems = [f"partial credit {score}/{max_score} from its last value" + (": " + "; ".join(lost) if lost else "")]
         if problems:
             failures[_label(nb, cell)] = "; ".join(problems)
     return failures
@@ -211,7 +213,8 @@ def release_as_released(release_path: Path | str, out_path: Path | str | None = 
 
 def _ends_in_value(source: str) -> bool:
     """True when the cell's last statement is an expression (its value becomes the cell's result,
-    and a number there is partial credit). `print(...)` returns None and is allowed."""
+    and a number there is partial credit). `print(...)` returns None and is allowed, and so is
+    `cases.score()`, partial credit on purpose (course.expect.Cases)."""
     try:
         tree = ast.parse(TransformerManager().transform_cell(source))
     except SyntaxError:
@@ -219,7 +222,10 @@ def _ends_in_value(source: str) -> bool:
     if not tree.body or not isinstance(tree.body[-1], ast.Expr):
         return False
     value = tree.body[-1].value
-    return not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "print")
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "print":
+        return False
+    return not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "score"
+                and "Cases(" in source)
 
 
 def _bare_asserts(source: str) -> list[int]:
@@ -243,7 +249,8 @@ def static_problems(nb: NotebookNode) -> list[str]:
         if not float(cell.metadata.nbgrader.get("points", 0)) > 0:
             problems.append(f"{_label(nb, cell)}: a test cell needs points > 0")
         if _ends_in_value(cell.source):
-            problems.append(f"{_label(nb, cell)}: ends in a value (a number there is partial credit); end in a statement")
+            problems.append(f"{_label(nb, cell)}: ends in a value (a number there is partial credit); end in a "
+                            f"statement, or in `cases.score()` for partial credit on purpose (course.expect.Cases)")
         problems += [f"{_label(nb, cell)}, line {n}: an assert without a message (feedback would show a bare "
                      f"AssertionError): say what the likely mistake is" for n in _bare_asserts(cell.source)]
     for cell in nb.cells:

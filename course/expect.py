@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 
 __all__ = ["expect_tensor", "expect_int", "expect_float", "expect_bool", "expect_ints", "expect_floats",
-           "expect_type", "expect_tuple", "kind", "graded_alone", "substituted"]
+           "expect_type", "expect_tuple", "kind", "graded_alone", "substituted", "Cases"]
 
 
 def kind(x: object) -> str:
@@ -201,3 +201,64 @@ def substituted(namespace: dict, **references) -> Iterator[None]:
                 namespace.pop(name, None)
             else:
                 namespace[name] = value
+
+
+class Cases:
+    """Partial credit for a test cell that checks many independent cases (request checks, a sampler's
+    settings, allocator scenarios): each case that fails costs its share of the points, and the cell
+    says which failed. nbgrader takes a test cell's numeric last value as its score, so the cell ends
+    with `cases.score()`:
+
+        cases = Cases(points=4)
+        for body in BAD_BODIES:
+            with cases(f"{body} is refused"):
+                assert refused(body), "a 400 with a message that names the field"
+        cases.score()
+
+    A case fails on any exception (AssertionError or an error in the student's code); a timeout's
+    interrupt is not caught. A cell with one property to check stays all or nothing: no Cases there.
+    """
+
+    MARK = "  \u2717 "          # how a failed case's line starts (the feedback page picks these lines)
+    SHOWN = 12                 # failed cases listed; the rest are counted
+
+    def __init__(self, points: float):
+        if not points > 0:
+            raise ValueError(f"points must be > 0, got {points!r}")
+        self.points = float(points)
+        self.passed: list[str] = []
+        self.failed: list[tuple[str, str]] = []
+        self._name: str | None = None
+
+    def __call__(self, name: str) -> "Cases":
+        self._name = str(name)
+        return self
+
+    def __enter__(self) -> None:
+        if self._name is None:
+            raise TypeError("use `with cases(name):`, naming the case")
+
+    def __exit__(self, etype, error, tb) -> bool:
+        name, self._name = self._name, None
+        if etype is None:
+            self.passed.append(name)
+            return False
+        if not issubclass(etype, Exception):      # KeyboardInterrupt (the grader's timeout), SystemExit
+            return False
+        message = str(error) if etype is AssertionError and str(error) else f"{etype.__name__}: {error}"
+        self.failed.append((name, message.splitlines()[0][:300] if message else etype.__name__))
+        return True
+
+    def score(self) -> float:
+        """The points earned, in proportion to the cases passed; prints the cases that failed."""
+        total = len(self.passed) + len(self.failed)
+        if total == 0:
+            raise AssertionError("no case ran: the test cell is broken")
+        earned = round(self.points * len(self.passed) / total, 2)
+        if self.failed:
+            print(f"{len(self.failed)} of {total} cases failed ({earned:g} of {self.points:g} points):")
+            for name, message in self.failed[:self.SHOWN]:
+                print(f"{self.MARK}{name}: {message}")
+            if len(self.failed) > self.SHOWN:
+                print(f"  ... and {len(self.failed) - self.SHOWN} more")
+        return earned

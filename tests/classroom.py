@@ -12,7 +12,7 @@ import nbformat
 
 from autograder import lab_notebook
 from autograder.checks import _public_lines, secret_lines
-from autograder.fixtures import expected_score, write_class
+from autograder.fixtures import cell_problems, write_class
 from autograder.grade.pipeline import Config, grade_all
 
 
@@ -31,11 +31,10 @@ def expectation_problems(graded: dict) -> list[str]:
     problems = []
     for sub in graded["subs"]:
         o = graded["outcomes"][(sub.student, sub.lab)]
-        points = {c.grade_id: c.points for c in o.cells}
-        want = expected_score(sub, points)
-        if o.score != want or o.status != sub.expect.status:
-            problems.append(f"{sub.student}/{sub.lab} ({sub.why}): {o.status} {o.score:g}, expected "
-                            f"{sub.expect.status} {want:g}; cells {[(c.grade_id, c.status, c.why[:80]) for c in o.cells]}")
+        wrong = cell_problems(sub, o.cells)
+        if wrong or o.status != sub.expect.status:
+            problems.append(f"{sub.student}/{sub.lab} ({sub.why}): {o.status} {o.score:g}, expected {sub.expect.status}; "
+                            f"{'; '.join(wrong)}; cells {[(c.grade_id, c.status, c.why[:80]) for c in o.cells]}")
         shorts, codes = {f.short() for f in o.flags}, {f.code for f in o.flags}
         missing = [e for e in sub.expect.flags if (e not in shorts if "(" in e else e not in codes)]
         extra = codes - {e.split("(")[0] for e in sub.expect.flags} - sub.expect.maybe

@@ -254,11 +254,45 @@ def test_a_cell_past_its_timeout_is_interrupted_and_the_rest_runs(tmp_path):
     assert nb.cells[0].outputs[-1].ename == "CellTimeoutError" and nb.cells[1].outputs[0].text == "after\n"
 
 
-def test_kernel_crash_and_exit_are_reported(tmp_path):
-    nb = _tiny_notebook("print(1)", "import os; os._exit(3)", "print(2)")
+def test_a_kernel_death_costs_its_cell_and_a_new_kernel_goes_on(tmp_path):
+    """The cell that killed the kernel is lost; a new kernel runs the cells above it again (their
+    outputs stay the first run's; a test that binds nothing later cells read is not run again),
+    then the cells after it."""
+    nb = _tiny_notebook("x = 41\nprint('once')", "assert x == 41", "import ctypes; ctypes.string_at(0)",
+                        "print(x + 1)", "import os; os._exit(3)", "print('end')")
+    box = sb.Sandbox(run_dir=tmp_path / "run", lab="lab")
+    run = asyncio.run(run_notebook(nb, ["student", "test", "student", "test", "student", "test"], box,
+                                   RunLimits(cell_timeout=60), {}, {}))
+    assert run.stopped is None, run.stopped
+    assert [(i, why) for i, why in run.deaths] == [(2, "crashed (segmentation fault)"), (4, "the kernel exited with code 3")]
+    assert nb.cells[0].outputs[0].text == "once\n" and len(nb.cells[0].outputs) == 1, "the replay's output is not kept"
+    assert nb.cells[3].outputs[0].text == "42\n" and nb.cells[5].outputs[0].text == "end\n"
+    assert nb.cells[2].outputs[-1].ename == "KernelDied" and "segmentation fault" in nb.cells[2].outputs[-1].evalue
+    assert [c.execution_count for c in nb.cells if c.outputs and c.outputs[0].get("name") == "stdout"][-1] == 2, \
+        "execution counts are the new kernel's (tracebacks name them)"
+
+
+def test_a_notebook_that_kills_its_replay_stops_once(tmp_path):
+    """A cell that dies again when run a second time (here: it leaves a mark in the run folder the
+    first time) stops the run where the first death was: one kernel-died, the cells it reached."""
+    mark = "import os\nfrom ipykernel.kernelapp import IPKernelApp\n" \
+           "mark = os.path.join(os.path.dirname(IPKernelApp.instance().connection_file), 'seen')\n" \
+           "if os.path.exists(mark):\n    os._exit(5)\nopen(mark, 'w').close()"
+    nb = _tiny_notebook(mark, "import os; os._exit(3)", "print('never')")
     box = sb.Sandbox(run_dir=tmp_path / "run", lab="lab")
     run = asyncio.run(run_notebook(nb, ["student", "student", "test"], box, RunLimits(cell_timeout=60), {}, {}))
-    assert run.stopped[:2] == (1, "kernel-died") and "code 3" in run.stopped[2]
+    assert run.deaths == [(1, "the kernel exited with code 3")]
+    assert run.stopped[:2] == (2, "kernel-died") and "code 5" in run.stopped[2] and "again" in run.stopped[2]
+    assert not nb.cells[2].get("outputs")
+
+
+def test_deaths_past_the_restart_limit_stop_the_run(tmp_path):
+    nb = _tiny_notebook(*["import os; os._exit(7)"] * 4, "print('never')")
+    box = sb.Sandbox(run_dir=tmp_path / "run", lab="lab")
+    run = asyncio.run(run_notebook(nb, ["student"] * 5, box, RunLimits(cell_timeout=60, restarts=2), {}, {}))
+    assert [i for i, _ in run.deaths] == [0, 1, 2]
+    assert run.stopped[:2] == (3, "kernel-died") and "3 times" in run.stopped[2]
+    assert not nb.cells[3].get("outputs") and not nb.cells[4].get("outputs")
 
 
 def test_preflight_passes_here_and_fails_closed(tmp_path, monkeypatch):
@@ -281,3 +315,14 @@ def test_make_grade_stops_when_there_is_no_sandbox(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "STOPPED" in done.stderr and "bubblewrap" in done.stderr
     assert not (tmp_path / "gb.db").exists(), "nothing is graded or recorded without a sandbox"
+
+
+def test_a_cell_that_runs_out_of_memory_gets_a_new_kernel(tmp_path):
+    """A memory bomb that keeps what it took (a global) would starve every later cell: the kernel is
+    replaced after it, as after a death, and only the bomb's cell is lost."""
+    nb = _tiny_notebook("x = 3", "hog = []\nwhile True:\n    hog.append(bytearray(1 << 28))",
+                        "import torch\nprint(torch.ones(1 << 28).sum().item() + x)")
+    box = sb.Sandbox(run_dir=tmp_path / "run", lab="lab", limits=sb.Limits(memory_bytes=6 << 30))
+    run = asyncio.run(run_notebook(nb, ["student", "student", "test"], box, RunLimits(cell_timeout=120), {}, {}))
+    assert run.stopped is None and run.deaths == [(1, "ran out of memory (MemoryError); the kernel was replaced")]
+    assert nb.cells[2].outputs[0].text == f"{(1 << 28) + 3}.0\n", nb.cells[2].outputs

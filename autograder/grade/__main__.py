@@ -39,6 +39,8 @@ def parse(argv: list[str] | None = None) -> Config:
     p.add_argument("--gradebook", type=Path, default=d.gradebook, help="nbgrader's SQLite gradebook")
     p.add_argument("--labs-dir", type=Path, default=d.labs_dir)
     p.add_argument("--keep", action="store_true", help="keep the temporary work folders")
+    p.add_argument("--no-hidden-messages", action="store_true",
+                   help="feedback says only that a hidden test failed, not its assert's message")
     a = p.parse_args(argv)
     if a.zip is not None and not a.zip.is_file():
         p.error(f"--zip must be an existing zip file, got {a.zip}")
@@ -53,7 +55,8 @@ def parse(argv: list[str] | None = None) -> Config:
     return Config(submitted=a.submitted, autograded=a.autograded, feedback=a.feedback, gradebook=a.gradebook,
                   out=a.out, labs_dir=a.labs_dir, labs=a.labs, only=a.student, students=a.students, zip=a.zip, jobs=a.jobs,
                   sandbox=a.sandbox == "on", gpu=a.gpu, cell_timeout=a.timeout, budget=a.budget,
-                  memory_gib=a.memory, quick=not a.full, keep=a.keep)
+                  memory_gib=a.memory, quick=not a.full, keep=a.keep,
+                  hidden_messages=not a.no_hidden_messages)
 
 
 def main(argv: list[str] | None = None) -> int:

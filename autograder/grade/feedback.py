@@ -3,12 +3,15 @@
 nbgrader's own `generate_feedback` shows hidden tests and their tracebacks. Here the graded
 notebook is rewritten before it is rendered:
 - a summary on top: score, each test's result, and the flags with what they mean;
-- each test cell shows the RELEASE's version of its source (visible asserts only) and one line of
-  result instead of its outputs. A failure in the visible part shows its error message; a failure
-  in the hidden part (told apart by the traceback's line number in that cell) shows only the
-  exception's type;
+- each test cell shows the RELEASE's version of its source (visible asserts only) and its result
+  instead of its outputs. A failure in the visible part shows its error message and line; a
+  failure in the hidden part (told apart by the traceback's line number in that cell) shows its
+  assert's message, never its code (`hidden_messages=False`, `--no-hidden-messages`: only the
+  exception's type); a partial-credit cell lists the cases it lost;
 - other cells keep what the student's own code printed, except any line that repeats a hidden
-  test or a solution line the student did not write (tracebacks can quote other cells).
+  test or a solution line the student did not write (tracebacks can quote other cells). A cell
+  of the lab (a demo, given code) that failed after an answer had shows one line saying so,
+  not its traceback.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from autograder.grade.outcome import FLAGS, Outcome
 from autograder.grade.repair import cell_kind, grade_id
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+CASE_MARK = "  \u2717 "      # how course.expect.Cases prints a failed case (not imported: it would load torch here)
 _exporter: HTMLExporter | None = None
 _highlight: Highlight2HTML | None = None
 
@@ -53,28 +57,48 @@ def failing_line(cell: NotebookNode) -> int | None:
     return None
 
 
-def result_line(cell: NotebookNode, result) -> str:
-    """One line for a test cell: what happened, never what the hidden tests say."""
+def result_line(cell: NotebookNode, result, hidden_messages: bool = True) -> str:
+    """What a test cell shows the student: its result and, when it failed, why: a visible assert's
+    message with its line, a hidden test's message (its assert's text, never its code; unless the
+    instructor turned that off), or the cases a partial-credit cell lost."""
     mark = f"{result.score:g}/{result.points:g}"
     if result.status == "passed":
         return f"PASSED ({mark})"
-    if result.status in {"not-run", "timeout", "zeroed"}:
+    if result.status in {"not-run", "timeout", "zeroed", "kernel-died"}:
         return f"NOT COUNTED ({mark}): {result.status}: {result.why}"
     errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
     if not errors:
         if any(o.get("output_type") == "stream" and o.get("name") == "stderr" for o in cell.get("outputs", [])):
             return f"FAILED ({mark}): the cell wrote to stderr (a warning?): nbgrader scores such a cell 0"
-        return f"PARTIAL ({mark})"
+        lost = [line for o in cell.get("outputs", []) if o.get("output_type") == "stream" and o.get("name") == "stdout"
+                for line in o.get("text", "").splitlines() if line.startswith(CASE_MARK) or line.startswith("  ... and ")]
+        if not lost:
+            return f"PARTIAL ({mark})"
+        if not hidden_messages:
+            return f"PARTIAL ({mark}): {sum(line.startswith(CASE_MARK) for line in lost)} or more cases failed"
+        return f"PARTIAL ({mark}): these cases failed:\n" + "\n".join(lost)
     err = errors[0]
     hidden, line = _hidden_start(cell.source), failing_line(cell)
     if line is not None and (hidden is None or line < hidden):
         return f"FAILED ({mark}): a visible test, line {line}: {err.ename}: {err.evalue}"
-    return f"FAILED ({mark}): a hidden test failed ({err.ename}). Check edge cases and the problem statement."
+    message = ANSI.sub("", err.get("evalue", "")).strip()
+    if not hidden_messages or not message:
+        return f"FAILED ({mark}): a hidden test failed ({err.ename}). Check edge cases and the problem statement."
+    said = message if err.ename == "AssertionError" else f"{err.ename}: {message}"
+    return f"FAILED ({mark}): a hidden test failed: {said[:600]}"
+
+
+MARKDOWN = re.compile(r"([\\`*_\[\]|~#])")
+
+
+def _md(text: str) -> str:
+    """Plain text inside Markdown: HTML escaped, and `__init__` keeps its underscores."""
+    return MARKDOWN.sub(r"\\\1", html.escape(text))
 
 
 def _summary(outcome: Outcome) -> str:
     rows = "\n".join(f"| `{c.grade_id}` | {c.score:g} / {c.points:g} | {c.status} |" for c in outcome.cells)
-    text = [f"# Feedback: {outcome.lab}", f"**Student:** {outcome.student}  ",
+    text = [f"# Feedback: {outcome.lab}", f"**Student:** {_md(outcome.student)}  ",
             f"**Score:** {outcome.score:g} / {outcome.max_score:g}", "",
             "| test | points | result |", "|---|---|---|", rows]
     lost = [f for f in outcome.flags if f.severity == "zero"]
@@ -84,8 +108,17 @@ def _summary(outcome: Outcome) -> str:
             text += ["", title, ""]
             for f in flags:
                 where = f" (`{f.cell}`)" if f.cell else ""
-                text.append(f"- **{f.code}**{where}: {FLAGS[f.code][1]}. {html.escape(f.detail)}")
+                text.append(f"- **{f.code}**{where}: {_md(FLAGS[f.code][1])}. {_md(f.detail)}")
     return "\n".join(text)
+
+
+def _knock_on(cell: NotebookNode, cause: str) -> None:
+    """A lab's own cell (a demo, given code) that failed after an answer had: one line instead of a traceback."""
+    errors = [o for o in cell.outputs if o.get("output_type") == "error"]
+    first = ANSI.sub("", f"{errors[0].ename}: {errors[0].evalue}").strip().splitlines()
+    cell.outputs = [o for o in cell.outputs if o.get("output_type") != "error"] + [new_output(
+        "stream", name="stdout", text=f"(this cell of the lab failed, {first[0][:200] if first else 'an error'}: most likely "
+                                      f"because of `{cause}`, which failed above; fix that first)\n")]
 
 
 def _scrub(text: str, secret: set[str]) -> str:
@@ -95,7 +128,8 @@ def _scrub(text: str, secret: set[str]) -> str:
     return "\n".join(keep)
 
 
-def feedback_notebook(graded: NotebookNode, outcome: Outcome, source: NotebookNode, release: NotebookNode) -> NotebookNode:
+def feedback_notebook(graded: NotebookNode, outcome: Outcome, source: NotebookNode, release: NotebookNode,
+                      hidden_messages: bool = True) -> NotebookNode:
     """The notebook the feedback page renders (see the module docstring)."""
     nb = copy.deepcopy(graded)
     released = {grade_id(c): c.source for c in release.cells if grade_id(c)}
@@ -103,12 +137,17 @@ def feedback_notebook(graded: NotebookNode, outcome: Outcome, source: NotebookNo
     own = {line.strip() for c in graded.cells if cell_kind(c) in {"solution", "plain", "manual"}
            for line in c.source.splitlines()}
     secret = secret_lines(source) - own
+    lab_cells = {_norm(c.source) for c in source.cells if c.cell_type == "code" and cell_kind(c) in {"plain", "locked"}}
+    failed = None          # the first answer or test that failed so far: what a later demo's error comes from
     for cell in nb.cells:
         gid = grade_id(cell)
+        errored = cell.cell_type == "code" and any(o.get("output_type") == "error" for o in cell.get("outputs", []))
         if cell.cell_type == "code" and cell_kind(cell) == "test":
-            line = result_line(cell, results[gid]) if gid in results else "not graded"
+            line = result_line(cell, results[gid], hidden_messages) if gid in results else "not graded"
             cell.source = released.get(gid, "# (hidden)")
-            cell.outputs = [new_output("stream", name="stdout", text=line + "\n")]
+            cell.outputs = [new_output("stream", name="stdout", text=_scrub(line, secret) + "\n")]
+            if gid in results and results[gid].status != "passed":
+                failed = failed or gid
         elif cell.cell_type == "code":
             for out in cell.get("outputs", []):
                 if out.get("output_type") == "stream":
@@ -118,9 +157,17 @@ def feedback_notebook(graded: NotebookNode, outcome: Outcome, source: NotebookNo
                     out.evalue = _scrub(out.evalue, secret)
                 elif "data" in out and "text/plain" in out.data:
                     out.data["text/plain"] = _scrub(out.data["text/plain"], secret)
+            if errored and cell_kind(cell) == "solution":
+                failed = failed or gid
+            elif errored and failed and _norm(cell.source) in lab_cells:
+                _knock_on(cell, failed)
     nb.cells.insert(0, new_markdown_cell(_summary(outcome)))
     nb.metadata.pop("widgets", None)
     return nb
+
+
+def _norm(source: str) -> str:
+    return "\n".join(line.rstrip() for line in source.strip().splitlines())
 
 
 class _Highlighted(str):
@@ -143,9 +190,9 @@ def _render(nb: NotebookNode) -> str:
 
 
 def write_feedback(graded: NotebookNode, outcome: Outcome, source: NotebookNode, release: NotebookNode,
-                   out_html: Path) -> Path:
+                   out_html: Path, hidden_messages: bool = True) -> Path:
     """Render the feedback page for one graded notebook to `out_html`."""
-    body = _render(feedback_notebook(graded, outcome, source, release))
+    body = _render(feedback_notebook(graded, outcome, source, release, hidden_messages))
     out_html.parent.mkdir(parents=True, exist_ok=True)
     out_html.write_text(body, encoding="utf-8")
     return out_html

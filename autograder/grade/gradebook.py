@@ -6,7 +6,9 @@ formgrader and the exchange's feedback release see what `make grade` graded:
 - every student (on the list or with a submission) exists, with name and email when known;
 - a graded submission gets nbgrader's rows; each test cell's `auto_score` is the grader's score
   (tampering and timeouts already zeroed), and cells with a `zero` or `review` flag are marked
-  `needs_manual_grade` so formgrader lists them for a person to look at.
+  `needs_manual_grade` so formgrader lists them for a person to look at;
+- each written answer (a manually graded cell) is marked `needs_manual_grade` for formgrader, or
+  scores 0 when the student left the release's stub.
 """
 from __future__ import annotations
 
@@ -47,7 +49,11 @@ def _record(gradebook: Path, outcome: Outcome, student: Student | None, timestam
         for cell in outcome.cells:
             grade = gb.find_grade(cell.grade_id, outcome.lab, outcome.lab, outcome.student)
             grade.auto_score = cell.score
-            grade.needs_manual_grade = cell.grade_id in review or cell.status in {"zeroed", "not-run", "timeout"}
+            grade.needs_manual_grade = cell.grade_id in review or cell.status in {"zeroed", "not-run", "timeout", "kernel-died"}
+        for answer in outcome.manual:      # formgrader lists what a person must grade; a blank answer is 0
+            grade = gb.find_grade(answer.grade_id, outcome.lab, outcome.lab, outcome.student)
+            grade.auto_score = None if answer.answered else 0.0
+            grade.needs_manual_grade = answer.answered
         gb.db.commit()
 
 

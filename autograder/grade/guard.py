@@ -7,7 +7,8 @@ helper such as `make_prompt`, IPython's own `run_cell`. Here, before any student
 
 - snapshot (by identity) the callables, classes and submodules of the modules tests use
   (builtins, math, inspect, numpy, torch and its nn/functional/testing, course, ...), the class
-  dictionaries of torch.Tensor and torch.nn.Module, and IPython's shell and kernel classes;
+  dictionaries of torch.Tensor, torch.nn.Module and course.expect.Cases (partial credit), and
+  IPython's shell and kernel classes;
 - swap those modules' class for a subclass whose __setattr__/__delattr__ logs writes: a patch
   that undoes itself before anyone looks (`torch.equal = fake; ...; torch.equal = real`) still
   leaves a log entry;
@@ -148,6 +149,9 @@ def _install():  # everything stays inside this function: one name in the user n
         torch = sys.modules["torch"]
         snapshot_class("torch.Tensor", torch.Tensor)
         snapshot_class("torch.nn.Module", torch.nn.Module)
+    expect = sys.modules.get("course.expect")
+    if expect is not None and isinstance(getattr(expect, "Cases", None), type):   # partial credit's own counter
+        snapshot_class("course.expect.Cases", expect.Cases)
     shell = get_ipython()  # noqa: F821 - exec_files run with IPython's namespace
     instances = {}    # label -> (object, {attr: pristine function}): IPython's shell and kernel
     for obj in (shell, getattr(shell, "kernel", None)):

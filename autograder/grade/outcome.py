@@ -23,7 +23,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "timeout": ("zero", "a test cell ran past the time limit and was interrupted: it scores 0"),
     "slow-cell": ("info", "a cell that is not a test ran past the time limit and was interrupted; it costs no points "
                           "itself (a test that needs what it would have made can fail)"),
-    "kernel-died": ("zero", "the kernel died (crash, os._exit, limits); every test cell after it scores 0"),
+    "kernel-died": ("zero", "the kernel died in this cell (crash, os._exit, limits): a test cell scores 0; a new kernel "
+                            "ran the cells above it again and grading went on (after 5 deaths, or a second one while "
+                            "running cells again, the rest scores 0)"),
     "budget": ("zero", "the notebook ran past its total time budget; the rest was not run and scores 0"),
     "tampered": ("zero", "code the tests rely on was replaced while this test cell ran: the cell scores 0"),
     "guard-broken": ("zero", "the grader's in-kernel guard stopped answering or was forged: the rest scores 0"),
@@ -40,7 +42,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "readded-cell": ("info", "a graded cell was deleted; it was re-added (answer cells as the stub)"),
     "dropped-duplicate": ("info", "a graded cell appeared twice; the copy was dropped or made an ordinary cell"),
     "repaired-metadata": ("info", "a cell's grading metadata was altered; it was restored from the source"),
-    "needs-manual-grading": ("review", "the lab has manually graded answers: their points are not in this score"),
+    "needs-manual-grading": ("review", "the lab has written answers, graded by a person in formgrader (`make formgrade`): "
+                                       "their points are not in this score"),
 }
 
 
@@ -67,8 +70,15 @@ class CellResult:
     grade_id: str
     points: float
     score: float
-    status: str          # passed | failed | error | timeout | not-run | zeroed | partial
+    status: str          # passed | failed | partial | timeout | kernel-died | not-run | zeroed
     why: str = ""
+
+
+@dataclass
+class ManualAnswer:
+    grade_id: str
+    points: float
+    answered: bool       # False: the release's stub, untouched (0 without a person)
 
 
 @dataclass
@@ -82,6 +92,7 @@ class Outcome:
     cells: list[CellResult] = field(default_factory=list)
     flags: list[Flag] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)   # cell label -> 'Name: message' (any cell)
+    manual: list[ManualAnswer] = field(default_factory=list)   # written answers, graded by a person (not in score)
     seconds: float = 0.0
 
     def flag(self, code: str, detail: str = "", cell: str | None = None) -> None:
@@ -106,4 +117,5 @@ class Outcome:
         data = json.loads(text)
         data["cells"] = [CellResult(**c) for c in data["cells"]]
         data["flags"] = [Flag(**f) for f in data["flags"]]
+        data["manual"] = [ManualAnswer(**m) for m in data.get("manual", [])]
         return cls(**data)

@@ -54,6 +54,7 @@ class Config:
     quick: bool = True
     keep: bool = False                         # keep the temporary folders (debugging)
     widget_state: bool = False                 # keep widget state in the graded notebooks (the test suite's site)
+    hidden_messages: bool = True               # feedback shows a failed hidden test's message (never its code)
 
 
 def _data_files(lab_dir: Path) -> list[Path]:
@@ -177,6 +178,11 @@ def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
     flagged = sum(any(f.severity != "info" for f in o.flags) for o in outcomes)
     log(f"done in {time.monotonic() - start:.0f} s: {graded} graded, {len(outcomes) - graded} without a score, "
         f"{flagged} flagged (grades.csv and the report cover {len(every)}, earlier runs included)\n  grades:   {csv_path}\n  report:   {html_path}\n  feedback: {cfg.feedback}/<student>/<lab>/")
+    written = [o for o in outcomes if any(m.answered for m in o.manual)]
+    if written:
+        log(f"  needs manual grading: {sum(m.answered for o in written for m in o.manual)} written answers in "
+            f"{len(written)} submission(s), not in these scores. Grade them in formgrader: `make formgrade`, then "
+            f"Manual Grading (autograder/GUIDE.md, section 4)")
     return outcomes
 
 
@@ -229,7 +235,8 @@ def _record(cfg: Config, outcome: Outcome, job: Job, student) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(graded, dest)
         feedback.write_feedback(nbformat.read(graded, as_version=4), outcome,
-                                nbformat.read(job.source, as_version=4), nbformat.read(job.release, as_version=4), page)
+                                nbformat.read(job.source, as_version=4), nbformat.read(job.release, as_version=4), page,
+                                cfg.hidden_messages)
     else:
         feedback.write_missing(outcome, page)
     for name in ("timestamp.txt", "submission_secret.txt"):   # nbgrader release_feedback reads them beside the page

@@ -89,6 +89,12 @@ def _lab_section(lab: str, outcomes: list[Outcome]) -> str:
                          f'<td class="num">{ok}/{n} ({rate:.0%})</td><td><span class="bar" style="width:{rate * 200:.0f}px">'
                          f"</span></td></tr>")
         parts.append("</table>")
+    written = [o for o in graded if o.manual]
+    if written:
+        todo = sum(any(m.answered for m in o.manual) for o in written)
+        parts.append(f"<p><b>Needs manual grading:</b> {todo} of {len(written)} submissions have written answers "
+                     f"({sum(m.points for m in written[0].manual):g} points, not in these scores). Grade them in "
+                     f"formgrader: <code>make formgrade</code>, then Manual Grading.</p>")
     noted = [o for o in outcomes if o.flags or o.errors or o.status != "graded"]
     if noted:
         parts.append("<h3>Students with errors or flags</h3><table><tr><th>student</th><th>score</th><th>why</th></tr>")

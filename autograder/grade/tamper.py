@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from dataclasses import dataclass
 
 from IPython.core.inputtransformer2 import TransformerManager
@@ -133,6 +134,117 @@ def bound_names(source: str) -> set[str]:
     visitor = _Bound()
     visitor.visit(tree)
     return visitor.names
+
+
+class _Reads(ast.NodeVisitor):
+    """The names a cell reads before it binds them itself: what it needs from earlier cells. Visits in
+    the order Python runs the code; a function's body counts as run where it is defined."""
+
+    def __init__(self) -> None:
+        self.bound: set[str] = set()
+        self.free: set[str] = set()
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Store):
+            self.bound.add(node.id)
+        elif node.id not in self.bound:
+            self.free.add(node.id)
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self.visit(node.value)
+        for target in node.targets:
+            self.visit(target)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        if isinstance(node.target, ast.Name) and node.target.id not in self.bound:
+            self.free.add(node.target.id)
+        self.visit(node.value)
+        self.visit(node.target)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None:
+            self.visit(node.value)
+        self.visit(node.target)
+
+    def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
+        self.visit(node.value)
+        self.visit(node.target)
+
+    def visit_For(self, node: ast.For) -> None:
+        self.visit(node.iter)
+        self.visit(node.target)
+        for child in node.body + node.orelse:
+            self.visit(child)
+
+    visit_AsyncFor = visit_For
+
+    def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
+        if node.type is not None:
+            self.visit(node.type)
+        if node.name:
+            self.bound.add(node.name)
+        for child in node.body:
+            self.visit(child)
+
+    def _scope(self, body: list[ast.AST], local: set[str]) -> None:
+        """A function, class or comprehension body: its own parameters and assignments are not reads."""
+        saved = set(self.bound)
+        self.bound |= local | {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name)
+                               and isinstance(n.ctx, ast.Store)}
+        for child in body:
+            self.visit(child)
+        self.bound = saved
+
+    def _function(self, node) -> None:
+        a = node.args
+        for default in a.defaults + [d for d in a.kw_defaults if d is not None]:
+            self.visit(default)
+        params = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if p is not None}
+        if isinstance(node, ast.Lambda):
+            self._scope([node.body], params)
+            return
+        for decorator in node.decorator_list:
+            self.visit(decorator)
+        self._scope(node.body, params)
+        self.bound.add(node.name)
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        for child in node.decorator_list + node.bases + [k.value for k in node.keywords]:
+            self.visit(child)
+        self._scope(node.body, set())
+        self.bound.add(node.name)
+
+    def _comprehension(self, node) -> None:
+        saved = set(self.bound)
+        for gen in node.generators:
+            self.visit(gen.iter)
+            self.visit(gen.target)
+            for cond in gen.ifs:
+                self.visit(cond)
+        for part in ("elt", "key", "value"):
+            if hasattr(node, part):
+                self.visit(getattr(node, part))
+        self.bound = saved
+
+    visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self.bound |= {a.asname or a.name.split(".")[0] for a in node.names}
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        self.bound |= {a.asname or a.name for a in node.names if a.name != "*"}
+
+
+def reads(source: str) -> set[str]:
+    """The names code `source` reads before binding them (every identifier, if it does not parse)."""
+    tree = parse(source)
+    if tree is None:
+        return set(re.findall(r"[A-Za-z_]\w*", source))
+    visitor = _Reads()
+    visitor.visit(tree)
+    return visitor.free
 
 
 def given_objects(source_nb) -> set[str]:

@@ -28,7 +28,7 @@ from nbgrader.utils import determine_grade
 
 from autograder.grade import tamper
 from autograder.grade.execute import Run, RunLimits, run_notebook
-from autograder.grade.outcome import CellResult, Outcome
+from autograder.grade.outcome import CellResult, ManualAnswer, Outcome
 from autograder.grade.repair import cell_kind, grade_id, repair
 from autograder.grade.sandbox import Limits, Sandbox
 
@@ -103,8 +103,6 @@ def grade(job: Job) -> Outcome:
     release = nbformat.read(job.release, as_version=4)
     tests = [c for c in source.cells if cell_kind(c) == "test"]
     out.max_score = float(sum(float(c.metadata.nbgrader.get("points", 0)) for c in tests))
-    if any(cell_kind(c) == "manual" for c in source.cells):
-        out.flag("needs-manual-grading", "written answers are graded by hand (formgrader)")
     try:
         submitted = nbformat.read(job.submission, as_version=4)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the student's, and stated
@@ -116,6 +114,7 @@ def grade(job: Job) -> Outcome:
 
     fixed = repair(submitted, source, release)
     out.flags.extend(fixed.flags)
+    written(out, fixed.nb, release)
     if fixed.known_ids == 0:
         out.flag("not-this-lab", f"no cell of {job.lab} found in the submission")
     aliases = tamper.import_aliases([c.source for c in source.cells if c.cell_type == "code"])
@@ -145,6 +144,21 @@ def grade(job: Job) -> Outcome:
     return out
 
 
+def written(out: Outcome, nb: NotebookNode, release: NotebookNode) -> None:
+    """The written answers (manually graded cells): which were answered, for a person to grade in
+    formgrader; an answer left as the release's stub scores 0 without one."""
+    stubs = {grade_id(c): c.source.strip() for c in release.cells if cell_kind(c) == "manual"}
+    for cell in nb.cells:
+        gid = grade_id(cell)
+        if cell_kind(cell) == "manual" and gid is not None:
+            answered = bool(cell.source.strip()) and cell.source.strip() != stubs.get(gid)
+            out.manual.append(ManualAnswer(gid, float(cell.metadata.nbgrader.get("points", 0)), answered))
+    if out.manual:
+        todo = [m for m in out.manual if m.answered]
+        out.flag("needs-manual-grading", f"{len(todo)} of {len(out.manual)} written answers to grade "
+                                         f"({sum(m.points for m in out.manual):g} points in all; left blank: 0)")
+
+
 def score(out: Outcome, run: Run, kinds: list[str], claimed: dict[str, bool]) -> None:
     """Per test cell: nbgrader's own rule (errors or stderr: 0; a numeric last value: partial),
     then the grader's zeroes (not run, timed out, tampered). Adds the run's flags."""
@@ -154,6 +168,9 @@ def score(out: Outcome, run: Run, kinds: list[str], claimed: dict[str, bool]) ->
         code, why = run.stopped[1], run.stopped[2]
         where = label(nb, min(run.stopped[0], len(nb.cells) - 1)) if nb.cells else None
         out.flag(code, why, where)
+    died = dict(run.deaths)
+    for i, why in run.deaths:
+        out.flag("kernel-died", f"{why}; a new kernel ran the cells above it again and grading went on", label(nb, i))
     zeroed = _guard_flags(out, run, kinds)
     for i in run.timeouts:
         out.flag("timeout" if kinds[i] == "test" else "slow-cell", "interrupted at the time limit", label(nb, i))
@@ -167,7 +184,9 @@ def score(out: Outcome, run: Run, kinds: list[str], claimed: dict[str, bool]) ->
                 out.errors[label(nb, i)] = _first_error(cell)
             continue
         gid, points = grade_id(cell), float(cell.metadata.nbgrader.get("points", 0))
-        if i >= stop:
+        if i in died:
+            result = CellResult(gid, points, 0.0, "kernel-died", died[i])
+        elif i >= stop:
             result = CellResult(gid, points, 0.0, "not-run", run.stopped[2] or run.stopped[1])
         elif i in run.timeouts:
             result = CellResult(gid, points, 0.0, "timeout", "interrupted at the time limit")
