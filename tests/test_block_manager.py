@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from course.engine import BlockAllocator, OutOfBlocks, paged_attention, write_kv
+from course.tolerance import assert_orders_close
 
 
 def _scatter(lens, H, Hkv, D, bs, seed):
@@ -35,7 +36,8 @@ def test_paged_attention_equals_dense_attention_and_ignores_stale_slots(H, Hkv, 
     for b, (k, v) in enumerate(zip(ks, vs)):
         kk, vv = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
         ref = torch.einsum("hl,lhd->hd", (torch.einsum("hd,lhd->hl", q[b], kk) * 0.3).softmax(-1), vv)
-        assert (out[b] - ref).abs().max() < 1e-5
+        # the same attention summed in another order: two reductions (scores over D, values over the context)
+        assert_orders_close(out[b], ref, terms=max(k.shape[-1], len(k)), stages=2, what=f"row {b}")
 
 
 def test_write_kv_skips_negative_slots_and_checks_shapes():

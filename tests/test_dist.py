@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import time
 
@@ -25,6 +26,7 @@ from course.dist.pipeline import Stage, stage_layers
 from course.dist.tp import TPBlock, tp_forward, whole_block
 from course.models import Decoder, ModelConfig, init_weights
 from course.models.decoder import apply_rope
+from course.tolerance import assert_orders_close, for_decoder, order_tol
 
 LLAMA = ModelConfig(family="llama", vocab_size=61, n_layer=3, n_head=4, n_kv_head=2, d_model=32, d_ff=48, max_seq_len=64)
 GPT2 = ModelConfig(family="gpt2", vocab_size=61, n_layer=2, n_head=4, n_kv_head=4, d_model=32, d_ff=64, max_seq_len=64)
@@ -290,7 +292,9 @@ def test_tp_forward_equals_the_model(cfg, world):
         return tp_forward(model, shards, ids, pos, comm, attention=ref_attention, mlp=ref_mlp), comm.stats.all_reduce_calls
 
     for logits, calls in run_threads(fn, world):
-        assert torch.allclose(logits, want, atol=1e-4) and calls == 2 * cfg.n_layer
+        # sharded matmuls summed by all-reduce: the model's sums in another order
+        assert_orders_close(logits, want, **for_decoder(cfg), what=f"{world} ranks")
+        assert calls == 2 * cfg.n_layer
 
 
 def test_whole_block_is_the_block_and_tp_forward_checks_its_shards():
@@ -319,7 +323,7 @@ def test_stage_layers_split_evenly_and_stages_compose_to_the_model():
         for st in stages:
             x = st(x, pos)
         with torch.no_grad():
-            assert torch.allclose(x, model(ids, pos)[:, -1], atol=1e-5)
+            assert_orders_close(x, model(ids, pos)[:, -1], **for_decoder(cfg))   # the head on one row, not all
         total = sum(p.nbytes for p in model.parameters())
         tied_twice = model.embed.weight.nbytes       # the tied embedding: on the first stage and, as the head, on the last
         assert sum(st.parameter_bytes() for st in stages) == total + tied_twice
@@ -400,7 +404,10 @@ def test_torchrun_three_ranks(tmp_path):
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "3 ranks, backend gloo" in done.stdout, done.stdout
-    assert float(done.stdout.split("single device| = ")[1].split()[0]) < 1e-3, done.stdout
+    diff, largest = map(float, re.search(r"single device\| = (\S+) \(largest logit (\S+)\)", done.stdout).groups())
+    # SmolLM2-135M's sums split over 3 ranks and added by all-reduce: the budget of two orders for its widest
+    # reduction (d_ff 1536) and 30 layers + the head, at the scale of its largest logit
+    assert diff <= order_tol(torch.tensor([largest]), terms=1536, stages=31)["atol"], done.stdout
 
 
 def test_lab12_phase_times_has_blocks_for_every_mode():

@@ -20,6 +20,7 @@ from course.engine.graphs import SlotDecodeGraphs, StepGraph, write_kv_static
 from course.engine.paged_engine import Request, paged_generate
 from course.engine.runner import mlp, project_qkv
 from course.models import Decoder, init_weights
+from course.tolerance import assert_orders_close
 from tiny_models import tiny_configs
 
 CONFIGS = tiny_configs(vocab_size=64, max_seq_len=64)
@@ -37,8 +38,10 @@ def test_stack_gives_each_modules_output_and_shares_their_memory(name):
     with torch.no_grad():
         want = torch.cat([a.q_proj(h), a.k_proj(h), a.v_proj(h)], dim=-1)
         weight, bias = stacked((a.q_proj, a.k_proj, a.v_proj))
-        torch.testing.assert_close(F.linear(h, weight, bias), want)
-        torch.testing.assert_close(torch.cat([a.q_proj(h), a.k_proj(h), a.v_proj(h)], dim=-1), want)
+        # one matmul of 64 output columns vs three narrower ones: other kernels, the d_model sums in another order
+        assert_orders_close(F.linear(h, weight, bias), want, terms=m.cfg.d_model)
+        # the modules' own matmuls, their weights now views into the stack (alignment may pick another kernel)
+        assert_orders_close(torch.cat([a.q_proj(h), a.k_proj(h), a.v_proj(h)], dim=-1), want, terms=m.cfg.d_model)
     rows = a.q_proj.weight.shape[0]
     assert a.q_proj.weight.data_ptr() == weight.data_ptr(), "q_proj's weight is the stack's first rows"
     assert a.k_proj.weight.data_ptr() == weight[rows:].data_ptr(), "k_proj's weight follows it, no copy"
@@ -57,13 +60,13 @@ def test_stack_follows_changes_of_the_weights():
     with torch.no_grad():
         stacked(mods)
         a.k_proj.weight.mul_(2.0)                                     # in place (a load, an optimizer step)
-        torch.testing.assert_close(F.linear(h, *stacked(mods))[..., 32:48], a.k_proj(h))
+        assert_orders_close(F.linear(h, *stacked(mods))[..., 32:48], a.k_proj(h), terms=m.cfg.d_model)
         a.v_proj.weight = nn.Parameter(torch.randn_like(a.v_proj.weight))   # replaced: stacked again
-        torch.testing.assert_close(F.linear(h, *stacked(mods))[..., 48:], a.v_proj(h))
+        assert_orders_close(F.linear(h, *stacked(mods))[..., 48:], a.v_proj(h), terms=m.cfg.d_model)
         m.double()                                                    # cast: every weight is new memory
         weight, _ = stacked(mods)
         assert weight.dtype == torch.float64
-        torch.testing.assert_close(F.linear(h.double(), weight)[..., :32], a.q_proj(h.double()))
+        assert_orders_close(F.linear(h.double(), weight)[..., :32], a.q_proj(h.double()), terms=m.cfg.d_model)
 
 
 def test_what_cannot_be_stacked_runs_module_by_module():
@@ -96,7 +99,7 @@ def test_what_cannot_be_stacked_runs_module_by_module():
         assert stacked((block.mlp.gate_proj, block.mlp.up_proj)) is None
         g = block.mlp.gate_proj(block.mlp_norm(x))
         want = x + block.mlp.down_proj(F.silu(g) * up(block.mlp_norm(x)))
-        torch.testing.assert_close(x + mlp(block, x), want)
+        assert_orders_close(x + mlp(block, x), want, terms=m.cfg.d_ff, stages=2)   # gate/up, then down
     a.k_proj.double()
     with torch.no_grad():
         assert stacked((a.q_proj, a.k_proj, a.v_proj)) is None, "mixed dtypes"

@@ -16,6 +16,7 @@ from course.engine import (GraphCaptureError, PagedKVCache, SlotKVCache, StepGra
 from course.engine.graphs import PagedDecodeGraphs, SlotDecodeGraphs, greedy_generate
 from course.engine.paged_engine import Request, contiguous_generate, paged_generate
 from course.models import Decoder, init_weights
+from course.tolerance import assert_orders_close, for_decoder
 from tiny_models import tiny_configs
 
 CONFIGS = tiny_configs(vocab_size=64, max_seq_len=64)
@@ -223,7 +224,9 @@ def test_paged_graphs_direct_calls(llama):
     assert g.replays == 1 and g.eager_calls == 1
     b = forward_paged(llama, torch.tensor([[4]]), torch.tensor([[3]]), cache, torch.tensor([3]), tables, lens,
                       write_kv=write_kv, attention=lambda *args: paged_attention(*args))
-    assert g.eager_calls == 2 and torch.allclose(a, b, atol=1e-5), "another attention function runs eagerly, same logits"
+    assert g.eager_calls == 2, "another attention function runs eagerly"
+    # the replay attends over its static 4-block table, the eager call over 2 blocks: the same sums, reordered
+    assert_orders_close(a, b, **for_decoder(llama.cfg), what="graph replay vs eager")
     with pytest.raises(ValueError, match="needs max_batch"):
         capture_decode_graphs(llama, cache)
     with pytest.raises(ValueError, match="max_blocks"):
@@ -264,7 +267,9 @@ def test_verify_graphs_for_several_tokens_per_row(model):
         runs.append((torch.stack(out), cache.lengths.clone()))
         if graphs:
             assert g.replays == 5 and g.off is None
-    assert torch.allclose(runs[0][0], runs[1][0], atol=1e-5) and torch.equal(runs[0][1], runs[1][1])
+    # the graph attends over its static buffers (max_len 40), forward_cached over what is filled: sums reordered
+    assert_orders_close(runs[1][0], runs[0][0], **for_decoder(model.cfg, context=40), what="graph vs forward_cached")
+    assert torch.equal(runs[0][1], runs[1][1])
 
 
 # --- the same rules on a GPU (skipped without one): real CUDA graphs behind the same interface -------

@@ -11,6 +11,7 @@ from course.engine import (BlockAllocator, OutOfBlocks, PagedKVCache, PrefixCach
                            block_table_tensor, forward_extend, sample, schedule_chunked, schedule_prefill_first)
 from course.models import Decoder, init_weights
 from course.serve import AsyncEngine, LLMEngine, QueueFull
+from course.tolerance import assert_orders_close, for_decoder
 from tiny_models import tiny_configs
 
 CONFIGS = tiny_configs(vocab_size=61, max_seq_len=128, llama_d_ff=48)
@@ -59,7 +60,8 @@ def test_forward_extend_mixes_chunks_and_decodes(model):
         for row, s in enumerate(order):
             with torch.no_grad():
                 want = model(torch.tensor([seqs[s][:done[s]]]), torch.arange(done[s])[None])[0, -1]
-            assert torch.allclose(out[row], want, atol=1e-4), f"sequence {s} after {done[s]} tokens"
+            # chunks, pages and a mixed batch vs one uncached forward: the same sums in another order
+            assert_orders_close(out[row], want, **for_decoder(model.cfg), what=f"sequence {s} after {done[s]} tokens")
 
 
 def test_forward_extend_rejects_bad_shapes(model):

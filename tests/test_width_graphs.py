@@ -8,6 +8,7 @@ from course.engine import SlotKVCache
 from course.engine.speculative import extend, ngram_propose, propose, rollback, verify_greedy
 from course.engine.width_graphs import SlotCachePool, WidthGraphs
 from course.models import Decoder, init_weights
+from course.tolerance import assert_orders_close, for_decoder
 from tiny_models import tiny_configs
 
 CONFIGS = tiny_configs(vocab_size=48, max_seq_len=128)
@@ -86,7 +87,8 @@ def test_a_width_nobody_captured_runs_eagerly_with_eager_logits(pair):
     for tokens in ([5, 6, 7], [8, 9, 10, 11], [12], [13, 14]):      # widths 3 (eager), 4, 1, 2 (eager)
         got = extend(target, cache, tokens).clone()
         want = extend(target, ref, tokens)
-        assert torch.allclose(got, want, atol=1e-5), f"width {len(tokens)}"
+        # a replay attends over the static cache (max_len 32), an eager call over what is filled: sums reordered
+        assert_orders_close(got, want, **for_decoder(target.cfg, context=32), what=f"width {len(tokens)}")
     assert cache.graphs.replays == 2 and cache.graphs.eager_calls == 2
 
 
