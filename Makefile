@@ -12,7 +12,7 @@ PORT    ?= 8888
 LAB_ARGS ?=
 LAB_DIR ?= labs
 
-.PHONY: setup lab test test-gpu release grade html vendor sandbox-tools system-tools clean help
+.PHONY: setup lab test test-gpu release grade formgrade html vendor sandbox-tools system-tools clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -21,6 +21,7 @@ help:
 	@echo "make test-gpu on a CUDA machine: every lab on the GPU, kernels compiled, the class graded -> build/gpu-report.md"
 	@echo "make release  student versions of the labs into autograder/release/"
 	@echo "make grade    grade autograder/submitted/ (or ZIP=...) in a sandbox: feedback, grades.csv, report"
+	@echo "make formgrade  nbgrader's formgrader, to grade the written answers by hand"
 	@echo "make html     the course site (labs executed with solutions) into build/html/"
 	@echo "make setup    only the set-up: .venv, torch (CPU) first, pinned packages, the model"
 
@@ -85,8 +86,9 @@ test:
 test-gpu: setup sandbox-tools
 	$(BIN)/python -m autograder.gpu_check $(GPU_ARGS)
 
+# LABS="01_inference 06_triton_kernels": only these (default: every lab).
 release: setup
-	$(BIN)/python -m autograder.release
+	$(BIN)/python -m autograder.release $(LABS)
 
 # Grading (autograder/GUIDE.md): ZIP=subs.zip STUDENTS=class.csv JOBS=2 LABS="01_inference",
 # GRADE_ARGS for anything else (python -m autograder.grade --help). SANDBOX=off: only inside a
@@ -94,6 +96,13 @@ release: setup
 grade: setup $(if $(filter off,$(SANDBOX)),,sandbox-tools)
 	$(BIN)/python -m autograder.grade --jobs $(JOBS) --sandbox $(or $(SANDBOX),on) \
 	  $(if $(ZIP),--zip $(ZIP)) $(if $(STUDENTS),--students $(STUDENTS)) $(GRADE_ARGS) $(LABS)
+
+# Written answers, graded by a person: JupyterLab in the course root, where nbgrader's formgrader finds
+# autograder/nbgrader_config.py and the gradebook `make grade` filled (open /formgrader, Manual Grading).
+formgrade: setup
+	@echo "formgrader: http://127.0.0.1:$(PORT)/formgrader (Manual Grading lists the written answers to grade)"
+	cd autograder && ../$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(PORT) --ServerApp.default_url=/formgrader \
+	  $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # The course site into build/html/ (open build/html/index.html). Labs executed by `make test`
 # (build/executed/, when their source has not changed since) are reused; others are executed now in quick mode.

@@ -4,7 +4,8 @@ A lab is a list of cells; these helpers attach the nbgrader metadata so nobody h
 
     cells = [md("# Lab 01"), locked("setup", "import course\\nenv = course.setup()"),
              solution("greedy", "def f():\\n    ### BEGIN SOLUTION\\n    ...\\n    ### END SOLUTION"),
-             tests("greedy_tests", 3, "assert f() == 1, 'f should ...'")]
+             tests("greedy_tests", 3, "assert f() == 1, 'f should ...'"),
+             answer("why_cache", 1, "question 1", model="Because ...", rubric="1 point for ...")]
     write_notebook("labs/01_inference/01_inference.ipynb", cells)
 """
 from __future__ import annotations
@@ -55,9 +56,26 @@ def tests(grade_id: str, points: float, source: str) -> nbformat.NotebookNode:
     return nbformat.v4.new_code_cell(source.strip("\n"), metadata=_nbgrader(grade_id, grade=True, solution=False, locked=True, points=points))
 
 
-def answer(grade_id: str, points: float, text: str = "YOUR ANSWER HERE") -> nbformat.NotebookNode:
-    """A manually graded written answer."""
-    return nbformat.v4.new_markdown_cell(text, metadata=_nbgrader(grade_id, grade=True, solution=True, locked=False, points=points))
+def answer(grade_id: str, points: float, questions: str, *, model: str, rubric: str) -> nbformat.NotebookNode:
+    """A written answer, graded by hand (formgrader): a markdown cell the student writes in.
+
+    `questions` names what it answers ("questions 1 and 2"); the student sees it, with the points,
+    above the answer. `model` (a model answer) and `rubric` (how the points split, what earns them)
+    are for the instructor: they go between ### BEGIN SOLUTION / ### END SOLUTION, which the
+    release replaces with "YOUR ANSWER HERE".
+    """
+    if points <= 0:
+        raise ValueError(f"answer cell {grade_id!r}: points must be > 0, got {points}")
+    for name, text in (("questions", questions), ("model", model), ("rubric", rubric)):
+        if not text.strip():
+            raise ValueError(f"answer cell {grade_id!r}: {name} must not be empty")
+        if "BEGIN SOLUTION" in text or "END SOLUTION" in text:
+            raise ValueError(f"answer cell {grade_id!r}: {name} must not hold a solution marker")
+    unit = "point" if points == 1 else "points"
+    source = (f"**Your answer to {questions.strip()}** ({points:g} {unit}, graded by hand):\n\n"
+              f"### BEGIN SOLUTION\n**Model answer.**\n\n{model.strip()}\n\n"
+              f"**Rubric ({points:g} {unit}).**\n\n{rubric.strip()}\n### END SOLUTION")
+    return nbformat.v4.new_markdown_cell(source, metadata=_nbgrader(grade_id, grade=True, solution=True, locked=False, points=points))
 
 
 def write_notebook(path: str | Path, cells: list) -> Path:

@@ -91,6 +91,26 @@ def test_repair_keeps_the_first_copy_that_is_still_an_answer_and_never_adds_solu
     assert "raise NotImplementedError()" in readded.source and "### BEGIN SOLUTION" not in readded.source
 
 
+def test_written_answers_count_as_answered_only_with_the_students_own_words(lab01):
+    from autograder.grade.worker import written
+
+    source, release = lab01
+    nb = copy.deepcopy(release)
+    answers = [c for c in nb.cells if cell_kind(c) == "manual"]
+    assert len(answers) >= 2, "lab 01 has written answers"
+    answers[0].source = answers[0].source.partition("\n")[2].strip()      # heading deleted, stub kept: blank
+    heading = answers[1].source.partition("\n")[0]
+    answers[1].source = heading                                             # stub deleted, heading kept: blank
+    out = Outcome("s", HOSTILE_LAB)
+    written(out, nb, release)
+    assert [m.answered for m in out.manual] == [False] * len(answers)
+    assert out.flags[0].code == "needs-manual-grading" and out.flags[0].detail.startswith("0 of ")
+    answers[1].source = heading + "\n\nThe model reads every earlier token again at each step."
+    out = Outcome("s", HOSTILE_LAB)
+    written(out, nb, release)
+    assert [m.answered for m in out.manual][:2] == [False, True]
+
+
 def test_repair_of_another_labs_notebook_says_so(lab01, tmp_path):
     source, release = lab01
     other = LAB_NAMES[1] if len(LAB_NAMES) > 1 and LAB_NAMES[0] == HOSTILE_LAB else LAB_NAMES[0]
@@ -131,7 +151,8 @@ def test_every_documented_wrong_answer_still_finds_its_line():
             continue
         source = nbformat.read(lab_notebook(lab), as_version=4)
         ids = {grade_id(c) for c in source.cells}
-        for bug in [*spec.BUGS, *getattr(spec, "MORE_BUGS", [])]:
+        crash = getattr(spec, "CRASH", None)
+        for bug in [*spec.BUGS, *getattr(spec, "MORE_BUGS", []), *([crash.bug] if crash else [])]:
             try:
                 planted = with_bug(source, lab, bug)
             except StaleSpec as e:
@@ -144,6 +165,21 @@ def test_every_documented_wrong_answer_still_finds_its_line():
                 problems.append(f"{lab}: bug {bug.name!r} must name test cells of the lab that fail; "
                                 f"names {list(bug.fails)}" + (f", of which the lab lacks {missing}" if missing else ""))
     assert not problems, "\n".join(problems)
+
+
+def test_every_documented_wrong_answer_has_a_hint():
+    """Each planted mistake names the words its failing test's message must hold (checked when the
+    class is graded, and by `python -m autograder.fixtures.more_bugs LAB`)."""
+    import importlib
+
+    missing = []
+    for lab in LAB_NAMES:
+        try:
+            spec = importlib.import_module(f"autograder.fixtures.specs.l{lab}")
+        except ModuleNotFoundError:
+            continue
+        missing += [f"{lab}: {b.name}" for b in [*spec.BUGS, *getattr(spec, "MORE_BUGS", [])] if len(b.hint) < 4]
+    assert not missing, "give these bugs a hint (words their test's message must say):\n" + "\n".join(missing)
 
 
 def test_the_yes_man_replaces_every_kind_of_solution_region():
@@ -219,16 +255,58 @@ def test_zip_layouts_and_class_list(tmp_path):
 
 # --- feedback lines and self-check ----------------------------------------------------------------
 
-def test_feedback_line_shows_visible_failures_and_hides_hidden_ones():
-    cell = nbformat.v4.new_code_cell("assert f(1) == 1, 'visible'\n### BEGIN HIDDEN TESTS\nassert f(2) == 4, 'secret 4'\n"
-                                     "### END HIDDEN TESTS", execution_count=7)
+def test_feedback_line_shows_a_hidden_tests_message_but_never_its_code():
+    cell = nbformat.v4.new_code_cell("assert f(1) == 1, 'visible'\n### BEGIN HIDDEN TESTS\n"
+                                     "assert f(2) == 4, 'softmax over the last dim?'\n### END HIDDEN TESTS", execution_count=7)
     res = CellResult("t", 2, 0, "failed")
-    cell.outputs = [nbformat.v4.new_output("error", ename="AssertionError", evalue="secret 4",
-                                           traceback=["\x1b[36mCell In[7], line 3\x1b[39m", "AssertionError: secret 4"])]
+    cell.outputs = [nbformat.v4.new_output("error", ename="AssertionError", evalue="softmax over the last dim?",
+                                           traceback=["\x1b[36mCell In[7], line 3\x1b[39m", "AssertionError: softmax..."])]
     line = result_line(cell, res)
-    assert "hidden test failed (AssertionError)" in line and "secret" not in line
-    cell.outputs[0].update(evalue="visible", traceback=["Cell In[7], line 1", "AssertionError: visible"])
+    assert line == "FAILED (0/2): a hidden test failed: softmax over the last dim?" and "f(2) == 4" not in line
+    off = result_line(cell, res, hidden_messages=False)
+    assert "hidden test failed (AssertionError)" in off and "softmax" not in off, "the instructor can turn messages off"
+    cell.outputs[0].update(ename="TypeError", evalue="f() takes 0 positional arguments but 1 was given")
+    assert result_line(cell, res).endswith("a hidden test failed: TypeError: f() takes 0 positional arguments but 1 was given")
+    cell.outputs[0].update(ename="AssertionError", evalue="visible", traceback=["Cell In[7], line 1", "AssertionError: visible"])
     assert "line 1: AssertionError: visible" in result_line(cell, res)
+
+
+def test_feedback_lists_the_cases_a_partial_credit_cell_lost():
+    from course.expect import Cases
+
+    from autograder.grade.feedback import CASE_MARK
+
+    assert CASE_MARK == Cases.MARK, "the feedback page finds the failed cases by the mark Cases prints"
+    cell = nbformat.v4.new_code_cell("cases.score()", execution_count=3)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"1 of 4 cases failed (3 of 4 points):\n"
+                                           f"{Cases.MARK}temperature=-1: a 400 naming temperature\n"),
+                    nbformat.v4.new_output("execute_result", data={"text/plain": "3.0"}, execution_count=3)]
+    line = result_line(cell, CellResult("t", 4, 3.0, "partial"))
+    assert line.startswith("PARTIAL (3/4): these cases failed:") and "temperature=-1: a 400 naming temperature" in line
+
+
+def test_feedback_summarizes_a_demo_that_failed_after_an_answer_did(lab01):
+    """A demo of the lab that fails because an earlier answer failed shows one line, not a traceback;
+    flag details keep their underscores (Markdown would make __init__ bold)."""
+    from autograder.grade.feedback import feedback_notebook
+    from autograder.grade.outcome import Flag
+
+    source, release = lab01
+    graded = full_solution(release, source)
+    demo = next(i for i, c in enumerate(graded.cells) if cell_kind(c) == "plain" and c.cell_type == "code"
+                and i > next(j for j, c in enumerate(graded.cells) if grade_id(c) == "next_token_probs_tests"))
+    tb = ["\x1b[31mNameError\x1b[39m Traceback (most recent call last)", "Cell In[9], line 1", "NameError: name 'probs' is not defined"]
+    graded.cells[demo].outputs = [nbformat.v4.new_output("error", ename="NameError", evalue="name 'probs' is not defined",
+                                                         traceback=tb)]
+    cells = [CellResult(grade_id(c), float(c.metadata.nbgrader.points), 0.0 if grade_id(c) == "next_token_probs_tests"
+                        else float(c.metadata.nbgrader.points), "failed" if grade_id(c) == "next_token_probs_tests" else "passed")
+             for c in source.cells if cell_kind(c) == "test"]
+    outcome = Outcome("s", HOSTILE_LAB, cells=cells, flags=[Flag("suspicious", "line 2: replaces x.__init__")])
+    nb = feedback_notebook(graded, outcome, source, release)
+    shown = nb.cells[demo + 1].outputs
+    assert [o.output_type for o in shown] == ["stream"] and "next_token_probs_tests" in shown[0].text
+    assert "NameError: name 'probs' is not defined" in shown[0].text and "Traceback" not in shown[0].text
+    assert "x.\\_\\_init\\_\\_" in nb.cells[0].source
 
 
 def test_self_check_runs_visible_tests_in_this_namespace(tmp_path):
@@ -244,6 +322,22 @@ def test_self_check_runs_visible_tests_in_this_namespace(tmp_path):
     checks = check_cells(find_notebook(namespace={"__session__": str(path)}), ns)
     assert [(c.grade_id, c.passed) for c in checks] == [("sq_ok", True), ("sq_bad", False), ("sq_warn", False)]
     assert "square(2) is 4" in checks[1].message and "stderr" in checks[2].message
+
+
+def test_self_check_reads_partial_credit_and_finds_the_notebook_headless(tmp_path, monkeypatch):
+    """A Cases cell's numeric last value is partial credit, to self_check as to nbgrader; run headless
+    (nbconvert, papermill: no session path), self_check takes the one lab in the working directory."""
+    cases = ("from course.expect import Cases\ncases = Cases(points=2)\nfor x in range(4):\n"
+             "    with cases(f'square({x})'):\n        assert square(x) == x * x, 'x times x'\ncases.score()")
+    nb = nbformat.v4.new_notebook(cells=[authoring.tests("sq_cases", 2, cases)])
+    nbformat.write(nb, tmp_path / "lab.ipynb")
+    (tmp_path / "notes.ipynb").write_text(nbformat.writes(nbformat.v4.new_notebook()))   # not a lab: ignored
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    found = find_notebook(namespace={})
+    assert check_cells(found, {"square": lambda x: x * x})[0].passed
+    half = check_cells(found, {"square": lambda x: x * x if x < 2 else 0})[0]
+    assert not half.passed and "partial credit 1 of 2" in half.message and "square(2): x times x" in half.message
 
 
 # --- each tamper defense, with and without the guard ----------------------------------------------
@@ -406,12 +500,37 @@ def test_class_gradebook_csv_and_report_agree(graded_class):
         for (student, lab), o in outcomes.items():
             if o.status == "graded":
                 assert gb.find_submission(lab, student).score == pytest.approx(o.score), (student, lab)
+            for m in o.manual:      # written answers: formgrader lists the answered ones; a blank one scores 0
+                grade = gb.find_grade(m.grade_id, lab, lab, student)
+                assert (grade.needs_manual_grade, grade.auto_score) == ((True, None) if m.answered else (False, 0)), \
+                    (student, lab, m)
+        assert any(m.answered for o in outcomes.values() for m in o.manual), "the honest students answered in words"
         assert {s.id for s in gb.students} == {s for s, _ in outcomes}
     page = (root / "out" / "report.html").read_text()
     for lab in LAB_NAMES:
         assert f"<h2>{lab}</h2>" in page and "Pass rate per test cell" in page
     assert all((root / "autograded" / s / lab / f"{lab}.ipynb").is_file()
                for (s, lab), o in outcomes.items() if o.status == "graded")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("grade:class")
+def test_class_feedback_names_each_planted_mistake(graded_class):
+    """The patcher's planted mistakes (each lab spec's BUGS): the feedback line of the first test cell
+    each one fails holds the bug's hint, i.e. the message names the mistake, not just a failure."""
+    from autograder.fixtures import lab_spec
+
+    root, problems = graded_class["root"], []
+    for lab in sorted({lab for _, lab in graded_class["outcomes"]}):
+        source = nbformat.read(lab_notebook(lab), as_version=4)
+        graded = nbformat.read(root / "autograded" / "patcher" / lab / f"{lab}.ipynb", as_version=4)
+        results = {c.grade_id: c for c in graded_class["outcomes"][("patcher", lab)].cells}
+        cells = {grade_id(c): c for c in graded.cells if grade_id(c)}
+        for bug in lab_spec(lab, source):
+            line = result_line(cells[bug.fails[0]], results[bug.fails[0]])
+            if bug.hint.lower() not in line.lower():
+                problems.append(f"{lab} {bug.name}: {bug.fails[0]} says {line[:300]!r}; hint {bug.hint!r}")
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.slow
@@ -566,3 +685,60 @@ def test_feedback_pages_can_be_released_with_nbgrader(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-1500:]
     assert list((tmp_path / "exchange" / "c" / "feedback").glob("*.html")), run.stderr[-1500:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def formgrader_submissions(root: Path, lab: str, timeout: float = 90) -> list[dict]:
+    """What nbgrader's formgrader (a real Jupyter server with its extension, in a course root made of
+    `root`'s graded class) lists for `lab`: one dict per submitted notebook, as its Manual Grading page
+    gets them from /formgrader/api/submitted_notebooks/LAB/LAB."""
+    import json
+    import os
+    import time
+    import urllib.request
+
+    from autograder import LABS
+
+    (root / "nbgrader_config.py").write_text(
+        f"c = get_config()\nc.CourseDirectory.root = {str(root)!r}\n"
+        f"c.CourseDirectory.source_directory = {os.path.relpath(LABS, root)!r}\n"
+        f"c.CourseDirectory.db_url = {'sqlite:///' + str(root / 'gradebook.db')!r}\n")
+    port, token = _free_port(), "formgrader-test"
+    cmd = [sys.executable, "-m", "jupyter", "server", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+           f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}"] + (["--allow-root"] if os.geteuid() == 0 else [])
+    server = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/formgrader/api/submitted_notebooks/{lab}/{lab}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                request = urllib.request.Request(url, headers={"Authorization": f"token {token}"})
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    return json.loads(response.read())
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(1)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("grade:class")
+def test_class_written_answers_wait_in_formgrader(graded_class):
+    """`make formgrade`'s route, for real: formgrader's Manual Grading lists the honest student's
+    written answers as needing a person, and not the blank student's (their stubs score 0)."""
+    root, outcomes = graded_class["root"], graded_class["outcomes"]
+    lab = next((lab for (s, lab), o in sorted(outcomes.items()) if s == "full" and o.manual), None)
+    if lab is None:
+        pytest.skip("no lab has written answers")
+    listed = {n["student"]: n for n in formgrader_submissions(root, lab)}
+    assert listed["full"]["needs_manual_grade"] and not listed["blank"]["needs_manual_grade"], listed

@@ -104,7 +104,9 @@ def test_source_runs_and_passes_its_tests(lab, graded_class):
     lost = {c.grade_id: f"{c.status}: {c.why[:300]}" for c in o.cells if c.status != "passed"}
     assert not lost, f"{lab}: the lab's own solutions lose points: {lost}"
     assert not o.errors, f"{lab}: cells raised: {o.errors}"
-    assert not o.flags, f"{lab}: honest work was flagged: {o.flag_summary()}"
+    flagged = [f for f in o.flags if f.code != "needs-manual-grading"]     # written answers: a person grades them
+    assert not flagged, f"{lab}: honest work was flagged: {o.flag_summary()}"
+    assert all(m.answered for m in o.manual), f"{lab}: the honest student's written answers count as blank"
     print(f"{lab}: source ran in {o.seconds:.1f} s (quick mode, graded)")
     assert o.seconds < TIME_LIMIT_S, f"{lab} took {o.seconds:.0f} s in quick mode; the budget is {TIME_LIMIT_S} s"
 
@@ -238,3 +240,89 @@ def test_release_writes_the_install_location_into_the_first_cell(tmp_path, monke
     source = source.replace('importlib.util.find_spec("course") is None', "True")
     with pytest.raises(RuntimeError, match="install location"):
         exec(source, {})
+
+
+def test_make_release_passes_its_labs_on():
+    """`make release LABS=...` releases those labs only (it used to release all twelve)."""
+    import subprocess
+
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "release", "LABS=01_inference 03_kv_cache"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    assert "-m autograder.release 01_inference 03_kv_cache" in dry, dry
+
+
+# --- written answers (manually graded markdown cells) ----------------------------------------------
+
+def _answer_cells(nb) -> dict:
+    return {c.metadata.nbgrader["grade_id"]: c for c in nb.cells
+            if c.metadata.get("nbgrader", {}).get("grade") and is_solution(c)}
+
+
+def _model_lines(cell) -> list[str]:
+    """The stripped lines of an answer cell's model answer and rubric (between the solution markers)."""
+    region = cell.source.partition(checks.SOLUTION_MARKERS[0])[2].partition(checks.SOLUTION_MARKERS[1])[0]
+    return [line.strip() for line in region.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("lab", _per_lab("release"))
+def test_release_keeps_written_answer_cells_as_stubs(lab, released):
+    """Each written answer reaches the student as an editable markdown cell with its grading metadata,
+    its heading (which questions, how many points) and nbgrader's stub, without the model answer or
+    the rubric."""
+    source = _answer_cells(nbformat.read(lab_notebook(lab), as_version=4))
+    release = _answer_cells(nbformat.read(released(lab), as_version=4))
+    assert source and set(release) == set(source), f"{lab}: answer cells lost in the release: {set(source) - set(release)}"
+    for gid, cell in source.items():
+        got = release[gid]
+        assert got.cell_type == "markdown", f"{lab}: {gid} is released as a {got.cell_type} cell"
+        for key in ("grade", "solution", "locked", "points"):
+            assert got.metadata.nbgrader.get(key) == cell.metadata.nbgrader.get(key), f"{lab}: {gid}: {key} changed"
+        head = cell.source.partition(checks.SOLUTION_MARKERS[0])[0].strip()
+        assert got.source.strip() == f"{head}\n\nYOUR ANSWER HERE", f"{lab}: {gid} released as {got.source!r}"
+        assert not [line for line in _model_lines(cell) if line in got.source], f"{lab}: {gid} shows its model answer"
+
+
+def test_written_answer_of_fixture_lab_release_full_solution_and_repair(tmp_path):
+    """A lab with a written answer: the release stubs it (the gradebook learns it as a graded cell),
+    the leak check catches its model answer, the fixture's honest student gets the model answer, and
+    repair keeps what a student wrote there, and re-adds a deleted answer as the stub, never the model."""
+    from autograder.fixtures import full_solution
+    from autograder.grade.repair import repair
+
+    cells = [
+        authoring.md("# Fixture lab"),
+        authoring.locked("setup", "import course\nenv = course.setup()"),
+        authoring.solution("square", "def square(x):\n    ### BEGIN SOLUTION\n    return x * x\n    ### END SOLUTION"),
+        authoring.tests("square_tests", 2, "assert square(3) == 9, 'square(3) is 9'"),
+        authoring.md("**Questions** (1 point in all)\n1. Why is a square never negative?"),
+        authoring.answer("why_answer", 1, "question 1", model="A negative number times itself is positive.",
+                         rubric="- 1 point: the product of two numbers of the same sign."),
+    ]
+    source_path = authoring.write_notebook(tmp_path / "labs" / "00_written" / "00_written.ipynb", cells)
+    release_path = generate_release("00_written", tmp_path / "labs", tmp_path / "release", tmp_path / "gradebook.db")
+    source, release = (nbformat.read(p, as_version=4) for p in (source_path, release_path))
+    with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gb:
+        cell = gb.find_grade_cell("why_answer", "00_written", "00_written")
+        assert (cell.cell_type, cell.max_score) == ("markdown", 1.0)
+    stub = _answer_cells(release)["why_answer"]
+    assert stub.source == "**Your answer to question 1** (1 point, graded by hand):\n\nYOUR ANSWER HERE"
+    assert checks.release_leaks(release, source) == []
+    leaked = checks.release_leaks(source, source)
+    assert any("A negative number times itself" in s for s in leaked) and any("1 point: the product" in s for s in leaked)
+
+    full = _answer_cells(full_solution(release, source))["why_answer"]
+    assert "A negative number times itself is positive." in full.source and "SOLUTION" not in full.source
+
+    mine = nbformat.from_dict(release)
+    _answer_cells(mine)["why_answer"].source = "Because minus times minus is plus."
+    _answer_cells(mine)["why_answer"].metadata.nbgrader["points"] = 5                   # a student's edit
+    fixed = repair(mine, source, release)
+    kept = _answer_cells(fixed.nb)["why_answer"]
+    assert kept.source == "Because minus times minus is plus." and kept.metadata.nbgrader["points"] == 1
+    assert fixed.kinds[fixed.nb.cells.index(kept)] == "manual"
+
+    gone = nbformat.from_dict(release)
+    gone.cells = [c for c in gone.cells if c.metadata.get("nbgrader", {}).get("grade_id") != "why_answer"]
+    fixed = repair(gone, source, release)
+    readded = _answer_cells(fixed.nb)["why_answer"]
+    assert readded.source == stub.source and "readded-cell" in {f.code for f in fixed.flags}

@@ -101,8 +101,11 @@ def _summary(outcome: Outcome) -> str:
     text = [f"# Feedback: {outcome.lab}", f"**Student:** {_md(outcome.student)}  ",
             f"**Score:** {outcome.score:g} / {outcome.max_score:g}", "",
             "| test | points | result |", "|---|---|---|", rows]
-    lost = [f for f in outcome.flags if f.severity == "zero"]
-    notes = [f for f in outcome.flags if f.severity != "zero"]
+    tests = {c.grade_id for c in outcome.cells}      # a kernel that died in a demo cost no points itself...
+    stopped = any(c.status == "not-run" for c in outcome.cells)   # ...unless the grader stopped there
+    lost = [f for f in outcome.flags if f.severity == "zero"
+            and not (f.code == "kernel-died" and f.cell not in tests and not stopped)]
+    notes = [f for f in outcome.flags if f not in lost]
     for title, flags in (("**Why points were lost**", lost), ("**Notes from the grader** (no points lost for these)", notes)):
         if flags:
             text += ["", title, ""]

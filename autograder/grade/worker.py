@@ -147,12 +147,12 @@ def grade(job: Job) -> Outcome:
 def written(out: Outcome, nb: NotebookNode, release: NotebookNode) -> None:
     """The written answers (manually graded cells): which were answered, for a person to grade in
     formgrader; an answer left as the release's stub scores 0 without one."""
-    stubs = {grade_id(c): c.source.strip() for c in release.cells if cell_kind(c) == "manual"}
+    given = {grade_id(c): {line.strip() for line in c.source.splitlines()} for c in release.cells if cell_kind(c) == "manual"}
     for cell in nb.cells:
         gid = grade_id(cell)
-        if cell_kind(cell) == "manual" and gid is not None:
-            answered = bool(cell.source.strip()) and cell.source.strip() != stubs.get(gid)
-            out.manual.append(ManualAnswer(gid, float(cell.metadata.nbgrader.get("points", 0)), answered))
+        if cell_kind(cell) == "manual" and gid is not None:   # anything beyond the stub's heading and "YOUR ANSWER HERE"
+            own = [line for line in cell.source.splitlines() if line.strip() and line.strip() not in given.get(gid, set())]
+            out.manual.append(ManualAnswer(gid, float(cell.metadata.nbgrader.get("points", 0)), bool(own)))
     if out.manual:
         todo = [m for m in out.manual if m.answered]
         out.flag("needs-manual-grading", f"{len(todo)} of {len(out.manual)} written answers to grade "

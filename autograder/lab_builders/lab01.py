@@ -2,7 +2,7 @@
 
     .venv/bin/python -m autograder.lab_builders.lab01
 """
-from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
+from autograder.authoring import answer, code, locked, md, solution, tests, write_notebook  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
 cells = [
@@ -21,8 +21,8 @@ the loop you write today, so it pays to know exactly what it does.
 - write a greedy generation loop on a transformer built from scratch: position ids, appending, stopping;
 - prove your loop equals Hugging Face's `generate`, token for token, and measure what it costs.
 
-**Time:** about 1 hour: 20 minutes of reading, three problems (10, 10 and 20 minutes), and 2-3
-minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is used when there is one.
+**Time:** about 1 hour 15 minutes: 20 minutes of reading, three problems (10, 10 and 20 minutes),
+15 minutes for the written questions at the end, and 2-3 minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is used when there is one.
 
 The model is **SmolLM2-135M-Instruct**: 135 million parameters, 30 layers, the Llama architecture,
 small enough for a laptop and good enough to write real sentences. It ships with the course, so
@@ -433,13 +433,75 @@ cache creates (prefill and decode); lab 03 has you build the cache.
 - **Generation** is a loop of forward passes: pick a token, append it, repeat until EOS or a length limit.
 - **Greedy** decoding always picks the top token; it is deterministic, so your loop must equal `generate` exactly.
 
-**Questions** (from the workshop this course grew from)
+**Questions** (from the workshop this course grew from). Answer in the cell under each group, in a
+few sentences of your own; a person grades them (3 points in all).
 1. What is the output of a forward pass: a token, or something else? What is its shape, and why does it have a row per input position?
 2. What are position ids for? Your loop rebuilds them from 0 at every step: why is that right here? Try starting them at 1 instead: do the tokens change? (Hint: a RoPE score depends on the distance between two positions.) What position id will the newest token need once the model keeps the earlier tokens (lab 03)?
+"""),
+answer("forward_pass_answer", 1, "questions 1 and 2", model=r"""
+1. Not a token: **logits**, one score for each of the 49,152 vocabulary entries at every input
+   position, shape `(1, T, 49152)` = (batch, positions, vocabulary). Row `t` scores the token that
+   follows token `t`, computed from tokens `0..t` only (causal attention), so one pass predicts the
+   next token after every prefix at once: that is how the model is trained. Generation reads the
+   last row; picking a token from it is the loop's job, not the model's.
+2. Attention by itself ignores order; position ids say where each token sits. SmolLM2 uses RoPE: it
+   rotates each query and key by an angle proportional to its position. Rebuilding `0 .. T-1` at
+   every step is right because the loop feeds the whole sequence again each step, so token `i` is at
+   position `i`. Starting at 1 does not change the tokens (the logits move by about 1e-5, rounding):
+   a rotated query-key product depends only on the difference of the two positions, and shifting
+   every position by one keeps every difference. (A GPT-2 model, with learned absolute positions,
+   would change.) Once the model keeps the keys and values of the earlier tokens, the newest token
+   is fed alone and needs position id = the number of tokens before it (the cache length), not 0.
+""", rubric=r"""
+- 0.5: question 1: logits (scores, not a token) of shape (batch, positions, vocabulary), and a row per
+  position because one pass scores the next token after every prefix (training; generation uses
+  only the last row).
+- 0.5: question 2: position ids encode order (RoPE rotates q and k); from 0 is right because the whole
+  sequence is recomputed; a shift by one leaves the tokens unchanged because RoPE depends on relative
+  distance; with a cache the new token's id is the number of tokens already cached. Any three of
+  these four parts earn the 0.5.
+"""),
+md(r"""
 3. What is the exit condition of the generation loop? Why keep the EOS token in the output?
 4. How many forward passes does generating 100 tokens take? Which of them repeat work?
+"""),
+answer("generation_loop_answer", 1, "questions 3 and 4", model=r"""
+3. The loop stops after `max_new_tokens` new tokens, or right after it appends `eos_token_id`,
+   whichever comes first. EOS stays in the output because `generate` keeps it (the test compares
+   token for token), and because it records why the text ended: the model finished (a server's
+   `finish_reason: "stop"`) rather than being cut off by the length limit (`"length"`). In a chat,
+   the end-of-turn token must also be in the history when the conversation continues.
+4. 100 forward passes, one per new token: the first over the `T` prompt tokens, the k-th over
+   `T + k - 1` tokens. Every pass after the first repeats work: it recomputes the hidden states,
+   keys and values of all the earlier tokens, which have not changed (a token's keys and values
+   depend only on it and the tokens before it). Only the last position is new. In all the model
+   processes `100 T + 4,950` token positions where `T + 99` would do: the KV cache (lab 03) removes
+   the repeats.
+""", rubric=r"""
+- 0.5: question 3: both exits (length limit, EOS appended, EOS kept) and one good reason to keep EOS
+  (equal to `generate`; tells a finished answer from a truncated one; chat history).
+- 0.5: question 4: 100 passes; the repeated work is recomputing every earlier token at each step
+  (only the newest position is new). A total count is welcome, not required.
+"""),
+md(r"""
 5. Greedy decoding tends to repeat itself. Try `greedy_generate` with 60 new tokens on a prompt of your own and look for a loop.
-
+"""),
+answer("greedy_repeats_answer", 1, "question 5", model=r"""
+(An example; students use prompts of their own.) "My trip to Yosemite was" gives, greedily: "... I've
+been fortunate enough to have had the opportunity to explore some of the most incredible landscapes
+on the planet. I've been fortunate to have had the chance to work with ...": the same sentence frame
+comes back within 60 tokens, and with more tokens whole sentences repeat. Greedy decoding is
+deterministic: the same context always gives the same choice, and once a phrase has appeared, the
+context makes the same continuation even more likely (the model copies from its context), so the
+text falls into a loop it cannot leave. Sampling with a temperature, top-k/top-p and a repetition
+penalty (lab 07) are the usual ways out.
+""", rubric=r"""
+- 0.5: an experiment was run: the prompt and what came out (an exact loop, or a repeated phrase or
+  sentence frame; "no loop in 60 tokens" with the text shown is an honest answer too).
+- 0.5: why greedy repeats: deterministic choice from the same context, and a repetition makes itself
+  more likely (self-reinforcing); naming a remedy (sampling, repetition penalty) is a plus, not required.
+"""),
+md(r"""
 ## Going further
 
 - The workshop's reference: *A Survey on Inference Engines for Large Language Models* (2025) maps which engine implements which optimization.

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m autograder.lab_builders.lab02
 """
-from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
+from autograder.authoring import answer, code, locked, md, solution, tests, write_notebook  # noqa: E402
 
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL as INSTALL  # noqa: E402
 from autograder.lab_builders.lab02_graphs import GRAPH_CELLS  # noqa: E402
@@ -31,9 +31,10 @@ one can cost far more than running them. Engines capture the step in a **CUDA gr
 - write a streaming generator and measure what a user feels: time to first token, time per output token, throughput;
 - budget memory: weights, KV cache and activations, and find when the cache outgrows the model.
 
-**Time:** about 2 hours: 35 minutes of reading, four problems (the FLOP and byte count about 30
-minutes, the graph 20, the streaming generator and its metrics 25, the memory budget 15), and
-3-5 minutes of running on a laptop CPU (about 1-1.5 minutes on a GPU). **Hardware:** everything
+**Time:** about 2 hours 25 minutes: 35 minutes of reading, four problems (the FLOP and byte count
+about 30 minutes, the graph 20, the streaming generator and its metrics 25, the memory budget 15),
+25 minutes for the written questions at the end, and 3-5 minutes of running on a laptop CPU (about
+1-1.5 minutes on a GPU). **Hardware:** everything
 runs on a CPU. On a GPU the same cells use it, with the model in bf16 (fp16 on a T4), the roofline
 from the GPU's datasheet for that dtype, and two measurements only a GPU can make (real CUDA graphs,
 `torch.compile`). Timings depend on your machine and on what else runs on it: read your own
@@ -268,7 +269,7 @@ for stage, cases, why in [
         got = cost(_cfgs[name], n_new, n_past, batch=batch)["flops"]
         ref = _ref_flops(_cfgs[name], n_new, n_past, batch)
         assert abs(got / ref - 1) < 0.01, (f"{stage}: {name}, n_new={n_new}, n_past={n_past}, batch={batch}: "
-                                           f"FLOPs {got:.4g}, expected {ref:.4g}. Check: {why}")
+                                           f"your FLOPs, {got:.4g}, are too {'high' if got > ref else 'low'}. Check: {why}")
 for bad in [dict(n_new=0), dict(n_new=1, n_past=-1), dict(n_new=1, batch=0)]:
     try:
         forward_cost(cfg, **bad)
@@ -335,7 +336,7 @@ for stage, cases, why in [
         ref = _ref_bytes(_cfgs[name], n_new, n_past, batch, bp, bk)
         assert abs(got["bytes"] / ref - 1) < 0.01, (
             f"{stage}: {name}, n_new={n_new}, n_past={n_past}, batch={batch}, bytes_per_param={bp}, bytes_per_kv={bk}: "
-            f"bytes {got['bytes']:.4g}, expected {ref:.4g}. Check: {why}")
+            f"your bytes, {got['bytes']:.4g}, are too {'high' if got['bytes'] > ref else 'low'}. Check: {why}")
         assert abs(got["intensity"] * got["bytes"] / got["flops"] - 1) < 1e-9, "intensity = flops / bytes"
 # the batch shares the weights, not the KV cache
 c = _cfgs["llama3-8b"]
@@ -933,10 +934,14 @@ for name, batch, ctx, bp, bk, steps in [
     got = budget_of(_cfgs[name], batch, ctx, bytes_per_param=bp, bytes_per_kv=bk, step_tokens=steps)
     w, kv, act = _ref_budget(_cfgs[name], batch, ctx, bp, bk, steps)
     where = f"{name}, batch={batch}, context_len={ctx}, bytes_per_param={bp}, bytes_per_kv={bk}, step_tokens={steps}"
-    assert abs(got["weights"] / w - 1) < 0.01, f"{where}: weights {got['weights']:.4g}, expected {w:.4g} " \
-        f"(embedding once, lm_head again only if untied, GQA-sized k/v, GPT-2's position table)"
-    assert got["kv_cache"] == kv, f"{where}: kv_cache {got['kv_cache']:.4g}, expected {kv:.4g} (2 for K and V, n_kv_head, bytes_per_kv)"
-    assert got["activations"] == act, f"{where}: activations {got['activations']:.4g}, expected {act:.4g}"
+    assert abs(got["weights"] / w - 1) < 0.01, f"{where}: weights {got['weights']:.4g} are too " \
+        f"{'high' if got['weights'] > w else 'low'}: count the embedding once, the lm_head again only if untied " \
+        f"(tie_embeddings), GQA-sized k/v, and GPT-2's position table"
+    assert got["kv_cache"] == kv, f"{where}: kv_cache {got['kv_cache']:.4g} is too {'high' if got['kv_cache'] > kv else 'low'}: " \
+        f"2 (K and V) x n_layer x n_kv_head x head_dim x context_len x batch x bytes_per_kv"
+    assert got["activations"] == act, f"{where}: activations {got['activations']:.4g} are too " \
+        f"{'high' if got['activations'] > act else 'low'}: bytes_per_param x batch x step_tokens x " \
+        f"(d_model + max(2 x d_ff, vocab_size)), in the weights' precision"
     assert abs(got["total"] - (got["weights"] + got["kv_cache"] + got["activations"])) < 1e-6 * got["total"], \
         f"{where}: total must be weights + kv_cache + activations"
 for bad in [dict(batch=0, context_len=10), dict(batch=1, context_len=-1), dict(batch=1, context_len=10, step_tokens=0)]:
@@ -1056,16 +1061,113 @@ values: lab 10), and prefills split into chunks, which bound the activation peak
 - Memory holds weights, a KV cache that grows with batch × context, and activations that peak
   during prefill. The KV cache, not the weights, limits the batch size.
 
-**Questions** (from the workshop and notes this course grew from)
+**Questions** (from the workshop and notes this course grew from). Answer in the cell under each
+group, in a few sentences of your own and with **your** numbers where a question asks for them; a
+person grades them (4 points in all).
 1. Where do your prefill and your decode step sit against the ridge point of this machine? Use your two intensities. On a GPU, what did your measured times show instead?
 2. What does time to first token measure, and what does time per output token measure? Which phase sets each?
 3. What do we gain by batching decode, and what do we lose? Use your batch measurement.
+'''))
+add(answer("phases_answer", 2, "questions 1 to 3", model=r'''
+(The numbers are an example; each student quotes their own.)
+
+1. Decode's intensity is about 2 FLOPs per weight over `bytes_per_param` bytes: about 0.5 FLOP/byte
+   in fp32 (about 1 in bf16). Prefill's is about half the prompt length in fp32 (about 128 for the
+   256-token prompt, 32 for 64 tokens in quick mode) and the prompt length in bf16. A CPU's ridge
+   is a few to a few tens of FLOP/byte (its measured peak FLOP/s over its copy bandwidth), so on a
+   CPU decode sits far left of the ridge (memory-bound: the weights' trip from memory sets its
+   time) and the prefill right of it (compute-bound), each within a small factor of its roofline
+   bound. On a GPU (ridge about 300 FLOP/byte in bf16 on an H100) decode is still far left and a
+   few-hundred-token prefill near or left of the ridge, but the measured times did not follow the
+   roof: both passes took about the same time, tens to hundreds of times their bounds (bound about
+   0.1 ms for 270 MB of bf16 weights on an H100), because the step is launch-bound (section 3).
+2. TTFT is the time from the request's start (arrival) to its first token: queueing plus the
+   prefill of the whole prompt, so the prefill sets it (it grows with the prompt). TPOT is the mean
+   gap between the later tokens, `(t_n - t_1) / (n - 1)`: one decode step per token, so decode sets
+   it (and whatever shares the step with it: the batch, a prefill that stalls it).
+3. Gain: one read of the weights (on a GPU, one set of launches) serves every sequence of the batch,
+   so a step for B sequences costs far less than B steps: tokens per second grow nearly with B at
+   first (for example, batch 16 at about 2-3x the step time of batch 1 gives 5-8x the tokens per
+   second on a CPU). Loss: each step takes longer, so every request's TPOT grows (at once on a CPU,
+   only at large batches on a GPU); each sequence also needs its own KV cache memory, requests may
+   wait for a batch, and the gain stops once the intensity reaches the ridge or the per-sequence
+   cache reads dominate at long contexts.
+''', rubric=r'''
+- 1 point: question 1. Both intensities quoted from the student's run with their order of magnitude
+  (decode about 0.5-1 FLOP/byte, prefill about the prompt length or half of it) and placed correctly
+  against the machine's ridge (decode memory-bound; on a CPU the prefill compute-bound); on a GPU (or
+  what they expect there), that the measured times sit far above the roof and barely differ between
+  the two passes, i.e. launch-bound. Half for a correct placement without the student's numbers.
+- 0.5: question 2. TTFT = queueing + prefill (first token), TPOT = mean time between later tokens
+  (decode steps); each tied to its phase.
+- 0.5: question 3. Gain: throughput from sharing weight reads (or launches), argued with the student's
+  measured step times or tokens/s; loss: per-token latency grows with the step (and memory per
+  sequence). Both sides needed for the half point.
+'''))
+add(md(r'''
 4. Without a KV cache, did your inter-token latency grow with every token? Why (or why not, on a GPU)? What will a cache save: compute or memory, and at what price?
 5. How are prefill and decode different enough that some systems run them on different GPUs?
 6. What can an engine do when the KV cache no longer fits in memory?
+'''))
+add(answer("cache_memory_answer", 1, "questions 4 to 6", model=r'''
+4. On a CPU, yes (slowly, and noisily over a short run): without a cache each decode step is a new
+   prefill of the whole sequence so far, so its work grows with every token, and each ITL costs
+   about a TTFT. On a GPU, hardly: a pass over a few hundred tokens launches the same thousand or so
+   kernels as a pass over one, and the launches, not the work, set its time. A cache saves
+   **compute** (recomputing every earlier token's keys and values at every step) and spends
+   **memory**: `2 x 30 layers x 3 KV heads x 64 x bytes` per token, 23,040 bytes (22.5 KiB) in bf16,
+   for every token of every sequence, which also has to be read at every step.
+5. Prefill processes many tokens per pass and is compute-bound (intensity about the prompt length);
+   it sets TTFT and comes in bursts with large activations. Decode produces one token per sequence
+   per step, is memory-bound (weights and KV reads), runs for many steps and needs KV memory and large
+   batches; it sets TPOT. On one GPU a long prefill stalls every running decode, and one batch size
+   or parallelism cannot suit both. Separate GPUs let each pool be sized and parallelized for its own
+   phase and latency target (DistServe, Splitwise), at the price of shipping each request's KV cache
+   from the prefill GPU to the decode GPU.
+6. Refuse or queue new requests (hold them back until memory frees); preempt running requests and
+   free their cache, then recompute it later or swap it to CPU memory; waste less (a paged cache, lab
+   05), share common prefixes (lab 09), shrink it (int8/fp8 keys and values, a sliding window, lab
+   10), cap the context or the batch, or spread the cache over more GPUs (tensor parallelism splits
+   the KV heads, lab 12).
+''', rubric=r'''
+- 0.5: question 4: the no-cache ITL grows on a CPU because each step recomputes the whole sequence
+  (and barely on a GPU, launch-bound); a cache saves compute and costs memory (per-token size, or
+  "grows with context x batch").
+- 0.25: question 5: compute-bound prefill (TTFT) against memory-bound decode (TPOT), and what
+  separating them buys (no interference, each pool tuned) or costs (KV transfer).
+- 0.25: question 6: at least two distinct remedies (queue/refuse, preempt with recompute or swap,
+  paging, prefix sharing, quantization, offload, more GPUs).
+'''))
+add(md(r'''
 7. Your profile counted the ops of one decode step. Which limit did your step hit: the work or the launches? What did your graph gain, and why that much and no more?
 8. Why do engines capture graphs for decode steps but run prefills eagerly? What do they do with a decode batch of 5 when they captured graphs for 4 and 8?
-
+'''))
+add(answer("graphs_answer", 1, "questions 7 and 8", model=r'''
+7. On a CPU, the work: each op runs on the thread that dispatched it, the matrix products take far
+   longer than dispatching, the device computes through most of the step, and the graph stand-in
+   gains nothing (a ratio near 1, within the run-to-run noise). On a GPU, the launches: about a
+   thousand kernels, each handed out by Python, PyTorch and the driver in 5-20 us, while the GPU is
+   busy for only a small share of the step. The graph removed the launches, so the step dropped
+   several-fold, down to about the profile's "device busy" time; no further, because what is left is
+   the thousand small kernels themselves, each a microsecond or a few, still far above the roofline
+   bound. Going below that takes fewer, fused kernels (`torch.compile`) or more work per kernel (a
+   larger batch).
+8. A decode step has small, fixed shapes (one token per sequence), runs thousands of times and is
+   launch-bound, so a graph per batch-size bucket pays off; a prefill's shapes change with every
+   prompt (a graph per length is impossible, and each graph holds memory), and its kernels are big
+   enough that launching them costs little next to running them. For a batch of 5 with graphs for 4
+   and 8, the engine pads up to 8: it copies the 5 rows into the 8-row graph's static inputs, replays
+   it, and reads only the first 5 rows of the logits. The 3 padded rows cost almost nothing in a step
+   bound by launches and weight reads.
+''', rubric=r'''
+- 0.5: question 7: the limit named from the student's own profile (work on a CPU, launches on a GPU)
+  with a number from it (ops or kernels per step, device-busy share, graph speedup); why the gain
+  stops (remaining kernel time, or on a CPU nothing to remove). A CPU-only student who says what they
+  expect on a GPU, correctly, earns it.
+- 0.5: question 8: decode = small fixed shapes, launch-bound, replayed often; prefill = variable
+  shapes, big kernels; batch of 5 padded to the 8 bucket (5 rows read back).
+'''))
+add(md(r'''
 ## Going further
 
 - **vLLM** (Kwon et al., SOSP 2023) stores the KV cache in fixed-size blocks (PagedAttention) so many

@@ -231,7 +231,8 @@ step = GraphedStep(model, 3)
 with torch.no_grad():
     want_a, want_b = model(a, pos_a), model(b, pos_b)
 out_a = logits_of(step, a, pos_a, "step(a, pos_a)")
-close(out_a, want_a, "the first call")
+close(out_a, want_a, "the first call: copy the call's inputs INTO the static buffers the graph was captured with, "
+      "then replay (the graph never sees a new tensor, only the buffers it read during capture)")
 out_b = logits_of(step, b, pos_b, "step(b, pos_b)")
 close(out_b, want_b, "a second call with other tokens and positions: copy each call's inputs INTO the static buffers "
       "(a graph never sees a new tensor)")

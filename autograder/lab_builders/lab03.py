@@ -2,7 +2,7 @@
 
     .venv/bin/python -m autograder.lab_builders.lab03
 """
-from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
+from autograder.authoring import answer, code, locked, md, solution, tests, write_notebook  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
 cells = [
@@ -24,9 +24,9 @@ has one, and it soon becomes the largest thing in GPU memory, which is what labs
 - measure the speedup, and weigh the compute saved against the memory spent, on your machine: on a
   GPU, also with the decode step in a CUDA graph (lab 02), the way engines run it.
 
-**Time:** about 2 hours: 30 minutes of reading, four problems (cached attention about 35 minutes,
-threading the cache through the model 20, the generate loop 20, the cache size 10), and 2-5
-minutes of running on a laptop CPU (the last measurement, up to 256 new tokens without a cache, takes
+**Time:** about 2 hours 20 minutes: 30 minutes of reading, four problems (cached attention about 35
+minutes, threading the cache through the model 20, the generate loop 20, the cache size 10), 20
+minutes for the written questions at the end, and 2-5 minutes of running on a laptop CPU (the last measurement, up to 256 new tokens without a cache, takes
 most of it; with `COURSE_QUICK=1` it stops at 16 tokens), about 2 minutes on a GPU (up to 2 more if
 you turn on the `torch.compile` comparison). **Hardware:** everything runs on a CPU. On a GPU the model
 runs in bf16 (fp16 on a T4) and the last section adds the cache with its decode step in a CUDA graph,
@@ -331,7 +331,15 @@ tests("cached_attention_tests", 3, r"""
 from course.expect import expect_tensor, expect_tuple
 
 def attend(layer, x, rope, cache=None):   # your layer's answer, (y, (k, v)), checked before it is compared
-    y, kv = expect_tuple(layer(x, rope, cache), "CachedAttention.forward(...)", 2)
+    try:
+        out = layer(x, rope, cache)
+    except RuntimeError as e:               # a shape mismatch that appears only once there is a cache
+        if cache is None:
+            raise
+        raise AssertionError(f"CachedAttention.forward with a cache of {cache[0].shape[2]} tokens raised RuntimeError: "
+                             f"{str(e).splitlines()[0]} Do you append the new keys and values on the token axis, "
+                             f"dim=2 of (B, n_kv_head, tokens, head_dim)?") from None
+    y, kv = expect_tuple(out, "CachedAttention.forward(...)", 2)
     k, v = expect_tuple(kv, "the cache it returns", 2)
     B, T, C = x.shape
     return (expect_tensor(y, "y", dtype=x.dtype, shape=(B, T, C), device=x.device),
@@ -386,7 +394,8 @@ def _check_attention(family, n_head, n_kv_head, batch, chunks, seed):
             y, cache = attend(mine, x[:, start:start + size], rope(start, start + size), cache)
             tag = f"{family}, {n_head} query / {n_kv_head} KV heads, batch {batch}, {size} token(s) after {start}"
             assert cache[0].shape == cache[1].shape == (batch, n_kv_head, start + size, 8), \
-                f"{tag}: cache shape {tuple(cache[0].shape)}, want {(batch, n_kv_head, start + size, 8)}"
+                f"{tag}: the cache must be (B, n_kv_head, n + T, head_dim), here {(batch, n_kv_head, start + size, 8)}; " \
+                f"got {tuple(cache[0].shape)}"
             if before is not None:
                 assert torch.equal(cache[0][:, :, :start], before[0]) and torch.equal(cache[1][:, :, :start], before[1]), \
                     f"{tag}: the new cache must start with the old one"
@@ -736,7 +745,8 @@ rec = Recorder(course_kv.with_kv_cache(ref))
 got = expect_tensor(cached_generate(rec, x[:, :3], max_new_tokens=10, eos_token_id=eos), "cached_generate(..., eos_token_id)",
                     dtype=torch.long, device=env.device)
 assert torch.equal(got, x[:, :first + 1]), "stop right after the first EOS, keeping it"
-assert len(rec.calls) == first + 1 - 3, f"stopping at EOS after {first + 1 - 3} tokens takes {first + 1 - 3} calls, not {len(rec.calls)}"
+assert len(rec.calls) == first + 1 - 3, (f"stopping at EOS: {got.shape[1] - 3} new tokens take {got.shape[1] - 3} calls "
+                                         f"(the prefill, then one decode per token but the last); you made {len(rec.calls)}")
 assert [c[1].tolist() for c in rec.calls[1:]] == [[[p]] for p in range(3, first)], "position ids of the decode calls"
 for bad_ids, bad_n in ((prompt[0], 3), (prompt, -1), (prompt[:, :0], 2)):
     try:
@@ -821,7 +831,9 @@ for h in hooks:
 real_bytes = sum(t.numel() * t.element_size() for t in caught)     # K and V of every layer, float32
 assert len(caught) == 2 * cfg.n_layer, "the hooks must catch a key and a value per layer"
 got = nbytes(cfg, ids.shape[1], bytes_per_value=4)
-assert got == real_bytes, f"{ids.shape[1]} tokens of SmolLM2 in float32: the keys and values take {real_bytes:,} bytes; you have {got:,}"
+assert got == real_bytes, (f"{ids.shape[1]} tokens of SmolLM2 in float32: the keys and values take {real_bytes:,} bytes; you "
+                           f"have {got:,}. Count n_layer x 2 (K and V) x n_kv_head (the KV heads, not n_head: GQA) x head_dim "
+                           f"x tokens x batch x bytes per value")
 assert nbytes(cfg, 1000, batch=4) == 4 * nbytes(cfg, 1000), "every sequence in the batch has its own cache"
 mha = dataclasses.replace(cfg, n_kv_head=cfg.n_head)                 # the same model with one KV head per query head
 assert nbytes(mha, 1000) == 3 * nbytes(cfg, 1000), \
@@ -837,7 +849,10 @@ for c in (
     for n, b, bpv in ((0, 1, 2), (1, 1, 2), (4096, 8, 2), (777, 3, 1), (131072, 1, 0.5)):
         want = c.n_layer * 2 * c.n_kv_head * hd * n * b * bpv
         assert abs(nbytes(c, n, batch=b, bytes_per_value=bpv) - want) < 1e-6, \
-            f"{c.n_layer} layers, {c.n_kv_head} KV heads, {n} tokens, batch {b}, {bpv} bytes: want {want}"
+            f"{c.n_layer} layers, {c.n_kv_head} KV heads (of {c.n_head}), {n} tokens, batch {b}, {bpv} bytes per value: " \
+            f"your {nbytes(c, n, batch=b, bytes_per_value=bpv):.6g} is too " \
+            f"{'high' if nbytes(c, n, batch=b, bytes_per_value=bpv) > want else 'low'}: n_layer x 2 x n_kv_head x " \
+            f"head_dim x tokens x batch x bytes per value (head_dim = d_model // n_head; fractional bytes allowed)"
 for bad in (dict(n_tokens=-1), dict(n_tokens=10, batch=0), dict(n_tokens=10, bytes_per_value=0)):
     try:
         kv_cache_bytes(cfg, **bad)
@@ -1141,12 +1156,84 @@ cache. Labs 04-06 build their engines on the graph path.
   shows up as time depends on what limits a step: on a CPU it does at once; on a GPU, a small model's
   step is bound by kernel launches until a CUDA graph removes them (lab 02).
 
-**Questions** (from the workshop this course grew from)
+**Questions** (from the workshop this course grew from). Answer in the cell under each group, in a
+few sentences of your own and with **your** numbers where a question asks for them; a person grades
+them (3 points in all).
 1. Why do we cache K and V? Why not the queries, or the outputs of each layer?
 2. What do we save, compute or memory? What do we spend? Use your measured numbers. On your machine, did the saving show up as time with eager steps? With a graph (GPU only)?
+"""),
+answer("why_kv_answer", 1, "questions 1 and 2", model=r"""
+1. Every later token's attention, in every layer, reads the keys and values of all earlier tokens,
+   and they are final once computed (causal attention: token `j`'s k and v depend only on tokens
+   `0..j`). A query serves only its own token's output, which was used at that token's step and is
+   never needed again. The outputs (hidden states) of each layer are not what later tokens read: a
+   new token needs the old tokens' k and v at each layer, so caching hidden states would mean
+   re-running `k_proj`, `v_proj` and RoPE over the whole past at every step, the compute the cache
+   exists to save. (With GQA it would not even save memory: SmolLM2's K and V take `2 x 3 x 64 = 384`
+   numbers per token per layer, its hidden state 576.)
+2. The cache saves **compute** and spends **memory**. (An example, CPU, float32, the 4-token prompt:)
+   for 256 new tokens the uncached loop processes 33,664 token positions against 259 with the cache,
+   about 130x fewer FLOPs; the measured speedup was several-fold and grew with the number of new
+   tokens, far below the FLOP ratio because a one-token decode step still reads every weight
+   (memory-bound). The memory: 46,080 bytes per token in float32 (23,040 in bf16), about 12 MB for
+   259 tokens, about 2% of the weights here, growing linearly with context and batch. On a CPU the
+   saving showed as time with eager steps; on a GPU eager steps gained about 1x (launch-bound: a
+   one-token pass and a few-hundred-token pass launch the same kernels), and with the decode step in
+   a CUDA graph the cache ran several times (5x or more) faster than no cache.
+""", rubric=r"""
+- 0.5: question 1: K and V are read by every later token and are final (causal); a query serves only
+  its own step; cached layer outputs would need the projections recomputed at every step.
+- 0.5: question 2: compute saved, memory spent, with the student's own measured speedup and a size of
+  the cache (per token or in total), and whether the saving showed as time on their device and why
+  (memory-bound decode on a CPU; launch-bound eager steps on a GPU, and the graph's gain). No fixed
+  numbers are expected; the reasoning must match the numbers quoted.
+"""),
+md(r"""
 3. How are the prefill and decode phases different once there is a cache? What shape do Q, K and V have in each?
 4. What can we do if we run out of memory for the cache? List at least three options, and what each costs.
+"""),
+answer("phases_memory_answer", 1, "questions 3 and 4", model=r"""
+3. Prefill runs all `T` prompt tokens in one pass with no cache and a causal mask; it fills the cache
+   and gives the first token (many FLOPs per weight read: compute-bound). Decode feeds one token at
+   position `n` (the cache length), with no mask, appends its k and v and attends over the whole
+   cache (memory-bound: it reads every weight and the whole cache for one token). Shapes for
+   SmolLM2, batch `B`: prefill Q `(B, 9, T, 64)`, K and V `(B, 3, T, 64)`; decode Q `(B, 9, 1, 64)`,
+   K and V `(B, 3, n + 1, 64)` (repeated to 9 heads only for the product, never in the cache).
+4. Any three, with their price: quantize the cache to int8/fp8 (half the bytes of bf16; a little
+   accuracy, and scales to store); keep a sliding window or evict old tokens (memory stops growing;
+   the model forgets what left the window); store it in pages to stop reserving unused space (lab 05;
+   an indirection in the kernels); share common prefixes (lab 09; only helps shared text); cap the
+   batch or the context, or queue requests (throughput, latency); preempt a request and recompute or
+   swap its cache to CPU memory later (FLOPs or PCIe time); offload to CPU memory (bandwidth); split
+   the cache over GPUs with tensor parallelism (more GPUs, communication); an architecture with fewer
+   KV heads (GQA, MQA, MLA: retraining).
+""", rubric=r"""
+- 0.5: question 3: prefill = whole prompt, causal mask, fills the cache; decode = one token at position
+  n, no mask, reads the cache; the Q and K/V shapes with the query and KV head counts (9 and 3) and
+  the token axis (T, or 1 against n + 1).
+- 0.5: question 4: three distinct options, each with a cost. Two with costs, or three without: 0.25.
+"""),
+md(r"""
 5. Your cache grows with `torch.cat`, which allocates a new tensor and copies the whole old cache at every step. How many bytes does that copy in total for $n$ tokens? How would you avoid it?
+"""),
+answer("cat_copy_answer", 1, "question 5", model=r"""
+One token's keys and values in all layers take `b = 2 x 30 x 3 x 64 x bytes` = 23,040 bytes in bf16
+(46,080 in float32). A decode step that starts with `m` cached tokens copies all `m` into the new
+tensor. After a prompt of `T0` tokens, the `n - 1` decode calls copy
+`T0 + (T0 + 1) + ... + (T0 + n - 2) = (n - 1) T0 + (n - 1)(n - 2) / 2` tokens, about
+`(n T0 + n^2 / 2) x b` bytes: quadratic in `n` (each is read once and written once). For 1,000
+tokens from an empty cache in bf16 that is about 500,000 x 23 KB = 11.5 GB copied to hold a final
+cache of 23 MB. Avoid it by allocating the cache once for the maximum length (a static cache,
+lab 04's slots) and writing each new token's k and v in place at its position (`index_put_`, a
+slot mapping), or by allocating fixed-size blocks as the sequence grows (paged cache, lab 05); then
+each step writes only the new token.
+""", rubric=r"""
+- 0.5: the total: a sum over steps of the cache size, quadratic in n (order n^2/2 tokens, plus n T0),
+  times the bytes per token (23,040 in bf16 for SmolLM2, or the formula).
+- 0.5: a way to avoid it: preallocate for the maximum length and write in place by index, or blocks
+  allocated as needed (paging), or capacity doubling (amortized).
+"""),
+md(r"""
 
 ## Going further
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m autograder.lab_builders.lab04
 """
-from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
+from autograder.authoring import answer, code, locked, md, solution, tests, write_notebook  # noqa: E402
 from autograder.lab_builders.hidden_refs import greedy_and_tiny  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
@@ -30,9 +30,9 @@ in every serving engine (vLLM, SGLang, TGI), and you will build it today.
 - build continuous batching: a first-come-first-served scheduler that admits waiting requests into free cache slots and retires finished ones, and the engine step that runs them;
 - watch both schedules on a batch timeline, and measure their throughput and latency, against each other, against the batch size, and against Hugging Face `generate`; on a GPU, also with the decode steps in CUDA graphs (lab 02).
 
-**Time:** about 2 hours 25 minutes: 35 minutes of reading, four problems (left padding about 20
-minutes, static batching 30, the scheduler 25, the engine step 30), and 2-5 minutes of running on a
-laptop CPU (2-3 minutes on a GPU). **Hardware:** everything runs on a CPU, with the measurements
+**Time:** about 2 hours 50 minutes: 35 minutes of reading, four problems (left padding about 20
+minutes, static batching 30, the scheduler 25, the engine step 30), 25 minutes for the written
+questions at the end, and 2-5 minutes of running on a laptop CPU (2-3 minutes on a GPU). **Hardware:** everything runs on a CPU, with the measurements
 sized down there; on a GPU the model runs in bf16 (fp16 on a T4), the workloads are larger, and the
 engine's decode steps can run from CUDA graphs.
 """),
@@ -266,7 +266,8 @@ m = torch.tensor([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 0, 0
 expect = [[0, 0, 0, 0, 1], [0, 1, 2, 3, 4], [0, 0, 1, 2, 3], [0, 0, 0, 0, 0]]
 for given in (m, m.bool(), m.int()):
     got = positions(given)
-    assert got.tolist() == expect, f"positions from a {given.dtype} mask: expected {expect}, got {got.tolist()}"
+    assert got.tolist() == expect, (f"positions from a {given.dtype} mask {m.tolist()}: got {got.tolist()}; each row's real "
+                                    f"tokens count 0, 1, 2, ... from its first real token, pads get 0 (a bool or int mask too)")
 assert positions(torch.ones(2, 6, dtype=torch.long, device=dev)).tolist() == [list(range(6))] * 2, \
     "a row with no pads is numbered 0, 1, 2, ..."
 ### END HIDDEN TESTS
@@ -388,7 +389,8 @@ for family, seed in (("gpt2", 1), ("llama", 2)):
     stop = [r[: r.index(eos) + 1] if eos in r[:n] else r[:n] for r, n in zip(refs, (9, 9, 4, 6))]
     assert any(len(s) < n for s, n in zip(stop, (9, 9, 4, 6)) if s[-1] == eos), "the reference must stop a row at EOS"
     got = static(tiny, ps, [9, 9, 4, 6], eos_token_id=eos, pad_id=63)
-    assert got == stop, f"{family}: stop each row right after its EOS (kept) or at its own limit; expected {stop}, got {got}"
+    assert got == stop, (f"{family}: stop each row right after its EOS (kept) or at its own limit, while the other rows "
+                         f"go on; you returned lengths {[len(o) for o in got]} for limits [9, 9, 4, 6]")
     assert static(tiny, ps[:1], 1) == [refs[0][:1]], "max_new_tokens=1: the prefill's token only"
 real = [tokenizer(t).input_ids for t in ("My trip to Yosemite was", "Water boils at")]
 assert static(model_fp32, real, 5) == [_ref_greedy(model_fp32, p, 5) for p in real], "differs from each prompt alone on SmolLM2"
@@ -542,7 +544,8 @@ assert [r.rid for r in first] == [0, 1], "admit the oldest requests first, as ma
 assert sorted(r.slot for r in first) == [0, 1], "each admitted request gets its own free slot"
 assert [r.rid for r in sched.waiting] == [2] and requests(sched.admit(step=1), "admit(1)") == [], "no free slot: request 2 waits"
 reqs[0].output = [7, 7]                                  # request 0 has its 2 tokens
-assert [r.rid for r in requests(sched.retire(), "retire()")] == [0], "a request with max_new_tokens tokens is done"
+assert [r.rid for r in requests(sched.retire(), "retire()")] == [0], \
+    "a request with max_new_tokens tokens is done: retire it as soon as len(output) >= max_new_tokens, not a step later"
 assert [r.rid for r in sched.running] == [1], "a retired request leaves running"
 third = requests(sched.admit(step=2), "admit(2)")
 assert [r.rid for r in third] == [2] and third[0].slot == reqs[0].slot, "the freed slot goes to the next waiting request"
@@ -591,7 +594,8 @@ for B in (1, 2, 3):
         assert all(len(r.output) == r.max_new_tokens for r in gone), "retire only requests that are done"
         assert all(len(r.output) < r.max_new_tokens for r in sched.running), "a finished request was left running"
         assert {r.rid for r in gone} | {r.rid for r in sched.running} == before, "a request left running without being retired"
-    assert admitted == order, f"max_batch_size={B}: admission must follow arrival order {order}, got {admitted}"
+    assert admitted == order, (f"max_batch_size={B}: admission must follow arrival order (the earliest arrival first, ties "
+                               f"in the order given); you admitted {admitted}")
     assert not sched.has_work() and len(sched.finished) == len(reqs), "every request must finish"
 ### END HIDDEN TESTS
 """),
@@ -1065,19 +1069,96 @@ throughput of Hugging Face transformers, much of it from fitting more requests i
 - On a GPU, a small model's eager decode step is bound by kernel launches (lab 02); engines replay
   their decode steps from CUDA graphs, one per batch bucket, and the scheduling gains above remain.
 
-**Questions** (the workshop's "let's summarize batching", and a few more)
+**Questions** (the workshop's "let's summarize batching", and a few more). Answer in the cell under
+each group, in a few sentences of your own and with **your** numbers where a question asks for them;
+a person grades them (4 points in all).
 1. What are the two types of batching? What decides the batch in each, and how often?
 2. What do we gain by batching? Use your measurement of one decode step at batch 1 and batch 8.
 3. What do we lose? Think of the latency of each token when the batch grows, of the memory each
    request's cache slot reserves, and of the time a continuous engine spends scheduling every step
    (why do vLLM's *multi-step scheduling* and SGLang's overlapped scheduler exist?).
+"""),
+answer("batching_tradeoff_answer", 2, "questions 1 to 3", model=r"""
+1. **Static** (request-level) batching: the batch is chosen once, from the requests that have arrived
+   (up to `max_batch_size`, in arrival order), and kept until its longest request ends; it is decided
+   once per batch. **Continuous** (iteration-level, Orca) batching: the scheduler decides at every
+   step: finished requests leave, arrived requests take the freed slots (first come, first served),
+   and all running requests decode together.
+2. Throughput: one decode step serves the whole batch with one read of the weights (on a CPU) or one
+   set of kernel launches (on a GPU). For example, on a CPU a step at batch 8 took a small multiple
+   of batch 1's (1.5-3x), so 3-5x the tokens per second; on a GPU the eager step cost about the same
+   at 1 and 8, so about 8x the tokens per second.
+3. Latency per token: when the step grows with the batch (at once on a CPU; on a GPU once launches
+   are gone or the batch is large), every request's tokens come more slowly, and in a continuous
+   engine each newcomer's prefill stalls all running requests. Memory: each slot reserves room for
+   `max_len` tokens of KV cache for the request's whole life, used or not, so fewer requests fit
+   (lab 05 fixes it with pages). Static batching also wastes finished rows (padding) and makes
+   newcomers wait for the longest request (head-of-line blocking). Scheduling time: a continuous
+   engine runs Python at every step (admit, retire, build the inputs and positions, sample) while the
+   GPU waits; at a few milliseconds per GPU step that is a real share. vLLM's multi-step scheduling
+   schedules once for several decode steps, and SGLang's overlapped scheduler prepares step `t + 1`
+   on the CPU while the GPU runs step `t`, to hide it.
+""", rubric=r"""
+- 0.5: question 1: static = fixed batch run to its longest request, decided per batch; continuous =
+  membership decided at every step (retire, admit FCFS).
+- 0.5: question 2: the gain (throughput from shared weight reads or launches), argued with the
+  student's own batch-1 and batch-8 step times (their ratio against 8).
+- 1: question 3: per-token latency grows with the step (0.25), slot memory reserved for max_len
+  (0.25), padding / head-of-line blocking or prefill stalls (0.25), per-step scheduling overhead and
+  why multi-step or overlapped scheduling hides it (0.25).
+"""),
+md(r"""
 4. Why pad on the left? What would `logits[:, -1]` mean for a right-padded row?
 5. Your measurement showed that positions counted over the pads barely change SmolLM2's logits.
    Why, and why do engines compute them from the mask anyway?
+"""),
+answer("padding_positions_answer", 1, "questions 4 and 5", model=r"""
+4. With left padding every row's newest token is in the last column, so `logits[:, -1]` is every
+   row's next-token prediction and each decode step appends one column to all rows alike. For a
+   right-padded row, `logits[:, -1]` is the model's output at a pad position: a prediction after a
+   pad, meaningless for the request. Its real prediction sits at column `len(prompt) - 1`, and its
+   next token would have to be written into the middle of the rectangle.
+5. SmolLM2 uses RoPE: a query and a key interact through the difference of their positions. Counting
+   over the pads shifts every real token of the row by the same constant (the number of pads), so
+   every difference, and every score, is unchanged up to rounding. Engines compute positions from
+   the mask anyway because not every model is relative: GPT-2's learned absolute positions (your
+   random GPT-2-style check changed a lot) and other absolute schemes change with the shift; a row's
+   tokens must not depend on who shares its batch (the same tokens as alone, even at a near-tie);
+   the shifted positions can pass the model's trained or supported length (`max_seq_len`); and later
+   decode steps need the true position (the number of real tokens) for each new token.
+""", rubric=r"""
+- 0.5: question 4: the last column holds every row's newest token; for a right-padded row the last
+  logits are the output at a pad (meaningless), its real one is at its last real token.
+- 0.5: question 5: a constant shift keeps RoPE's relative distances; one good reason to use the mask
+  anyway (absolute-position models such as GPT-2, batch invariance, length limits, correct positions
+  for decode).
+"""),
+md(r"""
 6. In your timeline, a prefill step of a newcomer delays the tokens of every running request. How
    could an engine bound that delay? (Hint: Sarathi-Serve.)
 7. Change the scheduler to admit the *shortest* waiting request first. What happens to the mean
    latency, and what can happen to a long request under a steady stream of short ones?
+"""),
+answer("prefill_stall_order_answer", 1, "questions 6 and 7", model=r"""
+6. Chunked prefill (Sarathi-Serve's stall-free batching): give every step a token budget (vLLM's
+   `max_num_batched_tokens`), put the running decodes in first, and fill the rest with a **chunk**
+   of the newcomer's prompt; a long prompt is prefilled over several steps, each in the same pass as
+   the decodes. No step is longer than the budget allows, so the running requests' inter-token
+   latency is bounded; the price is a later first token for the newcomer, and a little throughput.
+   (Other ways: limit the prefills per step, or run prefills on other GPUs: disaggregation, lab 12.)
+7. Shortest first is shortest-job-first: short requests no longer wait behind long ones, so the mean
+   latency (and mean waiting time) goes down. But a long request can be overtaken again and again:
+   under a steady stream of short requests it may wait without bound (starvation). First come, first
+   served can only be overtaken by requests that arrived earlier, so none waits forever. A fix keeps
+   some fairness: aging (a waiting request's priority grows with its wait), or a cap on how often a
+   request may be passed.
+""", rubric=r"""
+- 0.5: question 6: chunked prefill with a per-step token budget, decodes riding in the same step (or
+  another bounding mechanism, explained), and its cost (the newcomer's TTFT).
+- 0.5: question 7: mean latency falls (SJF), long requests can starve under a stream of short ones;
+  a remedy (aging) is a plus.
+"""),
+md(r"""
 
 ## Going further
 

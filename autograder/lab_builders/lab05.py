@@ -2,7 +2,7 @@
 
     .venv/bin/python -m autograder.lab_builders.lab05
 """
-from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
+from autograder.authoring import answer, code, locked, md, solution, tests, write_notebook  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 # The hidden tests' independent references (autograder/lab_builders/hidden_refs.py, instructor-only):
 # dense float64 attention and NaN-padded paged inputs (shared with lab 06), and an uncached greedy loop.
@@ -31,9 +31,9 @@ build its memory manager and run an engine on it; lab 06 writes the GPU kernels 
 - decide what the engine does when blocks run out: hold requests back, and preempt and recompute;
 - watch the blocks on a widget, and measure memory waste, requests that fit, and throughput.
 
-**Time:** about 3 hours: 40 minutes of reading, four problems of 30-45 minutes each (the allocator
-and the block policy take longest), and 3-5 minutes of running on a laptop CPU (about 2 minutes on a
-GPU). **Hardware:** everything runs on a laptop CPU; on a GPU the same cells use it, with the model
+**Time:** about 3 hours 25 minutes: 40 minutes of reading, four problems of 30-45 minutes each (the
+allocator and the block policy take longest), 25 minutes for the written questions at the end, and
+3-5 minutes of running on a laptop CPU (about 2 minutes on a GPU). **Hardware:** everything runs on a laptop CPU; on a GPU the same cells use it, with the model
 in bf16, and the throughput measurement adds the engines with their decode steps in CUDA graphs (lab 02).
 """),
 locked("colab_install", COLAB_INSTALL),
@@ -162,6 +162,9 @@ section). Its state, set up for you in `__init__`:
   `OutOfBlocks` with a message that says how many are needed and how many are free, and change nothing.
 - `free(seq)`: give back the blocks of `seq` (decrement each block's count; a block whose count reaches
   0 goes to the back of the free list, in table order) and forget `seq`. An unknown `seq` raises `KeyError`.
+
+Graded case by case: each scenario of the tests earns its share of the 4 points, and the feedback lists the
+cases that failed.
 """),
 solution("block_allocator", r'''
 from course.engine import OutOfBlocks   # RuntimeError: the pool has fewer free blocks than a request needs
@@ -239,102 +242,148 @@ except OutOfBlocks as e:
     print("OutOfBlocks:", e)
 """),
 tests("allocator_tests", 4, r"""
-from course.expect import expect_int, expect_ints
+from course.expect import Cases, expect_int, expect_ints
 
+cases = Cases(points=4)        # one share of the 4 points per case: the feedback lists the cases that failed
 def table(a, seq):  # a block table, checked to be a list of ints before it is compared
     return expect_ints(a.block_tables[seq], f"block_tables[{seq!r}]")
+def appended(a, seq, n):
+    return expect_ints(a.append(seq, n), f"append({seq!r}, {n})", length=n)
+def two_sequences():  # 4 blocks of 4: sequence 0 takes 3 tokens, sequence 1 takes 5, sequence 0 two more
+    a = BlockAllocator(n_blocks=4, block_size=4)
+    appended(a, 0, 3); appended(a, 1, 5); appended(a, 0, 2)
+    return a
 
-a = BlockAllocator(n_blocks=4, block_size=4)
-assert [expect_int(a.blocks_for(n), f"blocks_for({n})") for n in (0, 1, 4, 5)] == [0, 1, 1, 2], \
-    "blocks_for(n) rounds up: 0 tokens need no block, 4 tokens fill one block of 4, the 5th needs a second"
-assert expect_ints(a.append(0, 3), "append(0, 3)") == [0, 1, 2] and table(a, 0) == [0], \
-    "sequence 0 takes block 0 (the front of the free list): slots 0, 1, 2"
-assert expect_ints(a.append(1, 5), "append(1, 5)") == [4, 5, 6, 7, 8] and table(a, 1) == [1, 2], \
-    "5 tokens: block 1 full (slots 4-7), one token in block 2 (slot 8)"
-assert expect_ints(a.append(0, 2), "append(0, 2)") == [3, 12], \
-    "slot 3 finishes block 0; the next token starts a new block (3), at offset 0: slot 12"
-assert a.n_free == 0 and a.lengths == {0: 5, 1: 5}, f"lengths must count every token appended, got {a.lengths}"
-assert expect_ints(a.ref_count, "ref_count") == [1, 1, 1, 1], "every used block has one user"
-try:
-    a.append(1, 4)
-except OutOfBlocks:
-    pass
-else:
-    raise AssertionError("sequence 1 needs a 4th block for 4 more tokens and none is free: raise OutOfBlocks")
-assert a.lengths[1] == 5 and table(a, 1) == [1, 2], "a failed append must change nothing"
-a.free(0)
-assert sorted(expect_ints(list(a.free_blocks), "free_blocks")) == [0, 3] and a.ref_count[0] == a.ref_count[3] == 0, \
-    "freed blocks go back to the free list with a count of 0"
-assert 0 not in a.block_tables and 0 not in a.lengths, "free() forgets the sequence"
+with cases("blocks_for rounds up"):
+    a = BlockAllocator(n_blocks=4, block_size=4)
+    assert [expect_int(a.blocks_for(n), f"blocks_for({n})") for n in (0, 1, 4, 5)] == [0, 1, 1, 2], \
+        "blocks_for(n) rounds up: 0 tokens need no block, 4 tokens fill one block of 4, the 5th needs a second"
+with cases("the first sequence takes the front block"):
+    a = BlockAllocator(n_blocks=4, block_size=4)
+    assert appended(a, 0, 3) == [0, 1, 2] and table(a, 0) == [0], "sequence 0 takes block 0 (the front of the free list): slots 0, 1, 2"
+with cases("5 tokens: a full block and one slot of the next"):
+    a = BlockAllocator(n_blocks=4, block_size=4)
+    appended(a, 0, 3)
+    assert appended(a, 1, 5) == [4, 5, 6, 7, 8] and table(a, 1) == [1, 2], "5 tokens: block 1 full (slots 4-7), one token in block 2 (slot 8)"
+with cases("growing a sequence: fill its last block, then a new one"):
+    a = BlockAllocator(n_blocks=4, block_size=4)
+    appended(a, 0, 3); appended(a, 1, 5)
+    assert appended(a, 0, 2) == [3, 12], "slot 3 finishes block 0; the next token starts a new block (3), at offset 0: slot 12"
+with cases("lengths and reference counts"):
+    a = two_sequences()
+    assert a.n_free == 0 and a.lengths == {0: 5, 1: 5}, f"lengths must count every token appended, got {a.lengths}"
+    assert expect_ints(a.ref_count, "ref_count") == [1, 1, 1, 1], "every used block has one user"
+with cases("out of blocks: OutOfBlocks, nothing changed"):
+    a = two_sequences()
+    try:
+        a.append(1, 4)
+    except OutOfBlocks:
+        pass
+    else:
+        raise AssertionError("sequence 1 needs a 4th block for 4 more tokens and none is free: raise OutOfBlocks")
+    assert a.lengths[1] == 5 and table(a, 1) == [1, 2], "a failed append must change nothing"
+with cases("free gives the blocks back and forgets the sequence"):
+    a = two_sequences()
+    a.free(0)
+    assert sorted(expect_ints(list(a.free_blocks), "free_blocks")) == [0, 3] and a.ref_count[0] == a.ref_count[3] == 0, \
+        "freed blocks go back to the free list with a count of 0"
+    assert 0 not in a.block_tables and 0 not in a.lengths, "free() forgets the sequence"
 ### BEGIN HIDDEN TESTS
 import random
-# exact block multiples and boundaries, one token at a time
-a = BlockAllocator(n_blocks=6, block_size=3)
-got = [expect_ints(a.append("s", 1), "append('s', 1)", length=1)[0] for _ in range(9)]
-assert got == list(range(9)), f"one token at a time in blocks 0, 1, 2: expected slots 0..8, got {got}"
-assert table(a, "s") == [0, 1, 2], "three full blocks of 3"
-assert expect_int(a.new_blocks_needed("s", 3), "new_blocks_needed('s', 3)") == 1 and \
-    expect_int(a.new_blocks_needed("s", 4), "new_blocks_needed('s', 4)") == 2, "a full last block: every new token needs new blocks"
-assert expect_int(a.new_blocks_needed("new", 3), "new_blocks_needed") == 1 and a.new_blocks_needed("new", 7) == 3, \
-    "a sequence the allocator has not seen starts empty"
-assert expect_ints(a.append("t", 3), "append('t', 3)") == [9, 10, 11] and table(a, "t") == [3], "exactly one block for block_size tokens"
-assert expect_ints(a.append("t", 1), "append('t', 1)") == [12], "the token after a full block starts the next block at offset 0"
-a.free("t")
-assert expect_ints(list(a.free_blocks), "free_blocks") == [5, 3, 4], "freed blocks go to the BACK of the free list, in table order"
-try:
+def one_at_a_time():  # 6 blocks of 3, 9 tokens appended one at a time
+    a = BlockAllocator(n_blocks=6, block_size=3)
+    got = [expect_ints(a.append("s", 1), "append('s', 1)", length=1)[0] for _ in range(9)]
+    return a, got
+with cases("one token at a time, across block boundaries"):
+    a, got = one_at_a_time()
+    assert got == list(range(9)), f"one token at a time in blocks 0, 1, 2: expected slots 0..8, got {got}"
+    assert table(a, "s") == [0, 1, 2], "three full blocks of 3"
+with cases("new_blocks_needed after a full block, and for a new sequence"):
+    a, _ = one_at_a_time()
+    assert expect_int(a.new_blocks_needed("s", 3), "new_blocks_needed('s', 3)") == 1 and \
+        expect_int(a.new_blocks_needed("s", 4), "new_blocks_needed('s', 4)") == 2, "a full last block: every new token needs new blocks"
+    assert expect_int(a.new_blocks_needed("new", 3), "new_blocks_needed") == 1 and a.new_blocks_needed("new", 7) == 3, \
+        "a sequence the allocator has not seen starts empty"
+with cases("exactly block_size tokens take one block; the next token a new one"):
+    a, _ = one_at_a_time()
+    assert appended(a, "t", 3) == [9, 10, 11] and table(a, "t") == [3], "exactly one block for block_size tokens"
+    assert appended(a, "t", 1) == [12], "the token after a full block starts the next block at offset 0"
+with cases("freed blocks go to the back of the free list, in table order"):
+    a, _ = one_at_a_time()
+    appended(a, "t", 3); appended(a, "t", 1)
     a.free("t")
-except KeyError:
-    pass
-else:
-    raise AssertionError("freeing an unknown sequence must raise KeyError")
-# the message says what was needed and what is free
-a = BlockAllocator(n_blocks=3, block_size=2)
-a.append(0, 3)
-try:
-    a.append(1, 5)
-except OutOfBlocks as e:
-    assert "3" in str(e) and "1" in str(e), f"the message must name the blocks needed (3) and free (1): {e}"
-else:
-    raise AssertionError("5 tokens need 3 blocks, 1 is free: raise OutOfBlocks")
-assert 1 not in a.block_tables and a.n_free == 1, "a failed append must not leave an empty table or take blocks"
+    assert expect_ints(list(a.free_blocks), "free_blocks") == [5, 3, 4], \
+        "freed blocks go to the BACK of the free list, in table order (new blocks come from the front)"
+with cases("free of an unknown sequence raises KeyError"):
+    a, _ = one_at_a_time()
+    appended(a, "t", 3)
+    a.free("t")
+    try:
+        a.free("t")
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("freeing an unknown sequence (or one freed already) must raise KeyError")
+with cases("OutOfBlocks names the blocks needed and free"):
+    a = BlockAllocator(n_blocks=3, block_size=2)
+    appended(a, 0, 3)
+    try:
+        a.append(1, 5)
+    except OutOfBlocks as e:
+        assert "3" in str(e) and "1" in str(e), f"the message must name the blocks needed (3) and free (1): {e}"
+    else:
+        raise AssertionError("5 tokens need 3 blocks, 1 is free: raise OutOfBlocks")
+with cases("a failed append leaves no empty table and takes no block"):
+    a = BlockAllocator(n_blocks=3, block_size=2)
+    appended(a, 0, 3)
+    try:
+        a.append(1, 5)
+    except OutOfBlocks:
+        pass
+    else:
+        raise AssertionError("5 tokens need 3 blocks, 1 is free: raise OutOfBlocks")
+    assert 1 not in a.block_tables and a.n_free == 1, "a failed append must not leave an empty table or take blocks"
 # a long random run against an independent model of the pool: every token's slot holds that token
 for bs in (1, 2, 4, 5):
-    rng = random.Random(bs)
-    a = BlockAllocator(n_blocks=40, block_size=bs)
-    pool, want = {}, {}
-    for step in range(300):
-        seq = rng.randrange(8)
-        if seq in want and rng.random() < 0.2:
-            a.free(seq)
-            del want[seq]
-            continue
-        n = rng.randint(1, 7)
-        if expect_int(a.new_blocks_needed(seq, n), "new_blocks_needed") > a.n_free:
-            try:
-                a.append(seq, n)
-            except OutOfBlocks:
+    with cases(f"a random run of appends and frees, blocks of {bs}"):
+        rng = random.Random(bs)
+        a = BlockAllocator(n_blocks=40, block_size=bs)
+        pool, want = {}, {}
+        for step in range(300):
+            seq = rng.randrange(8)
+            if seq in want and rng.random() < 0.2:
+                a.free(seq)
+                del want[seq]
                 continue
-            raise AssertionError("append succeeded with too few free blocks")
-        before = list(a.block_tables.get(seq, []))
-        slots = expect_ints(a.append(seq, n), f"append({seq}, {n})", length=n)
-        assert table(a, seq)[:len(before)] == before, "append must never move earlier blocks"
-        toks = [(seq, step, i) for i in range(n)]
-        for s, t in zip(slots, toks):
-            pool[s] = t
-        want.setdefault(seq, []).extend(toks)
-        for s2, toks2 in want.items():
-            tab = table(a, s2)
-            assert len(tab) == -(-len(toks2) // bs), f"block_size {bs}: a sequence holds exactly the blocks it needs"
-            read = [pool.get(tab[p // bs] * bs + p % bs) for p in range(len(toks2))]
-            assert read == toks2, f"block_size {bs}: a token's slot was overwritten or misplaced (check the slot at block boundaries)"
-        used = [b for t in a.block_tables.values() for b in t]
-        assert len(used) == len(set(used)), "two sequences share a block without fork"
-        assert sorted(used + list(a.free_blocks)) == list(range(40)), "every block is either used or free, once"
-        assert all(a.ref_count[b] == (b in used) for b in range(40)), "ref_count: 1 for a used block, 0 for a free one"
-    for seq in list(want):
-        a.free(seq)
-    assert a.n_free == 40 and not any(a.ref_count) and not a.block_tables, "after freeing everything, every block is free"
+            n = rng.randint(1, 7)
+            if expect_int(a.new_blocks_needed(seq, n), "new_blocks_needed") > a.n_free:
+                try:
+                    a.append(seq, n)
+                except OutOfBlocks:
+                    continue
+                raise AssertionError("append succeeded with too few free blocks")
+            before = list(a.block_tables.get(seq, []))
+            slots = expect_ints(a.append(seq, n), f"append({seq}, {n})", length=n)
+            assert table(a, seq)[:len(before)] == before, "append must never move earlier blocks"
+            toks = [(seq, step, i) for i in range(n)]
+            for s, t in zip(slots, toks):
+                pool[s] = t
+            want.setdefault(seq, []).extend(toks)
+            for s2, toks2 in want.items():
+                tab = table(a, s2)
+                assert len(tab) == -(-len(toks2) // bs), f"block_size {bs}: a sequence holds exactly the blocks it needs"
+                read = [pool.get(tab[p // bs] * bs + p % bs) for p in range(len(toks2))]
+                assert read == toks2, f"block_size {bs}: a token's slot was overwritten or misplaced (check the slot at block boundaries)"
+            used = [b for t in a.block_tables.values() for b in t]
+            assert len(used) == len(set(used)), "two sequences share a block without fork"
+            assert sorted(used + list(a.free_blocks)) == list(range(40)), \
+                "every block is either used or free, once (a block whose count reaches 0 goes back to the free list)"
+            assert all(a.ref_count[b] == (b in used) for b in range(40)), "ref_count: 1 for a used block, 0 for a free one"
+        for seq in list(want):
+            a.free(seq)
+        assert a.n_free == 40 and not any(a.ref_count) and not a.block_tables, "after freeing everything, every block is free"
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ## Problem 2: Sharing blocks: fork and copy-on-write (3 points)
@@ -366,6 +415,9 @@ seq 0 appends:  block 3 is its own now: write in place, no copy
   the new blocks do not all fit.
 
 `free` needs no change if you wrote it with reference counts.
+
+Graded case by case: each scenario of the tests earns its share of the 3 points, and the feedback lists the
+cases that failed.
 """),
 solution("shared_allocator", r'''
 class SharedBlockAllocator(BlockAllocator):
@@ -403,53 +455,73 @@ class SharedBlockAllocator(BlockAllocator):
 '''),
 tests("shared_allocator_tests", 3, r"""
 from course.engine import BlockAllocator as CourseAllocator
-from course.expect import expect_int, expect_ints, graded_alone
+from course.expect import Cases, expect_int, expect_ints, graded_alone
 
 class Problem1(CourseAllocator):   # the course's answer to Problem 1 alone: no fork, no copy-on-write of its own
     copy_on_write = False
     fork = None
 
+cases = Cases(points=3)        # one share of the 3 points per case: the feedback lists the cases that failed
 def table(a, seq):
     return expect_ints(a.block_tables[seq], f"block_tables[{seq!r}]")
+def forked():                  # a prompt of 6 tokens in blocks [0, 1] of 4, forked into sequence 1
+    a = SharedBlockAllocator(n_blocks=6, block_size=4)
+    a.append(0, 6)
+    a.fork(0, 1)
+    return a
+def alone():                   # your SharedBlockAllocator on the course's Problem 1, for the length of a case
+    return graded_alone(SharedBlockAllocator, Problem1)
 
 # Graded on its own: your SharedBlockAllocator runs on the course's Problem 1 here, so a mistake in
 # Problem 1 costs only Problem 1's points.
-with graded_alone(SharedBlockAllocator, Problem1):
-    a = SharedBlockAllocator(n_blocks=6, block_size=4)
-    a.append(0, 6)                                            # a prompt of 6 tokens: blocks [0, 1]
-    a.fork(0, 1)
+with cases("fork shares the table, the length and every block"), alone():
+    a = forked()
     assert table(a, 1) == [0, 1] and a.lengths[1] == 6, "a fork copies the table and the length"
     assert expect_ints(a.ref_count, "ref_count")[:2] == [2, 2], "after a fork, both blocks have two users"
+with cases("copy-on-write of a shared, partly full block"), alone():
+    a = forked()
     assert expect_ints(a.append(1, 1), "append(1, 1)") == [2 * 4 + 2], \
         "block 1 is shared and partly full: sequence 1 copies it into free block 2 and writes at offset 2"
     assert table(a, 1) == [0, 2] and a.pending_copies == [(1, 2)], "the copy (old, new) is recorded for the engine"
     assert a.ref_count[:3] == [2, 1, 1], "the old block lost a user, the copy has one"
+with cases("no copy once the block is the sequence's own"), alone():
+    a = forked()
+    expect_ints(a.append(1, 1), "append(1, 1)")
     assert expect_ints(a.append(0, 1), "append(0, 1)") == [1 * 4 + 2] and a.pending_copies == [(1, 2)], \
         "block 1 is sequence 0's alone now: no copy"
+with cases("free after a fork"), alone():
+    a = forked()
+    expect_ints(a.append(1, 1), "append(1, 1)"); expect_ints(a.append(0, 1), "append(0, 1)")
     a.free(0)
     assert a.ref_count[:3] == [1, 0, 1] and table(a, 1) == [0, 2], "freeing the parent keeps the blocks the child uses"
     a.free(1)
     assert a.n_free == 6 and not any(a.ref_count), "when both are freed, every block is free"
 ### BEGIN HIDDEN TESTS
 import random
-with graded_alone(SharedBlockAllocator, Problem1):
-    # a full shared block needs no copy: the next token goes into a new block
+def full_fork():               # 4 tokens in 2 full blocks of 2, forked, the child one token further
     a = SharedBlockAllocator(n_blocks=5, block_size=2)
     a.append("p", 4)
     a.fork("p", "c")
-    assert expect_ints(a.append("c", 1), "append('c', 1)") == [4] and a.pending_copies == [], \
-        "the last block is full: no copy, just a new block"
+    return a, expect_ints(a.append("c", 1), "append('c', 1)")
+with cases("a full shared block needs no copy"), alone():
+    a, got = full_fork()
+    assert got == [4] and a.pending_copies == [], "the last block is full: no copy, just a new block"
     assert table(a, "c") == [0, 1, 2] and a.ref_count[:3] == [2, 2, 1], "a fork shares the full blocks"
-    # forks of forks, and frees in any order
+with cases("forks of forks, freed in any order"), alone():
+    a, _ = full_fork()
     a.fork("c", "g")
     assert a.ref_count[:3] == [3, 3, 2], "a fork of a fork adds one user to every block it shares"
     a.free("c")
     assert a.ref_count[:3] == [2, 2, 1] and a.n_free == 2, "freeing a forked sequence takes away one user per block"
     a.free("p"); a.free("g")
     assert a.n_free == 5 and not any(a.ref_count), "reference counts must return to 0"
-    # copy-on-write with no free block: OutOfBlocks, nothing changed
+def no_room():                 # sequence 1 shares sequence 0's partly full block; no block is free
     a = SharedBlockAllocator(n_blocks=2, block_size=4)
     a.append(0, 3); a.fork(0, 1); a.append(2, 4)
+    assert table(a, 1) == [0] and a.ref_count[0] == 2, "a fork shares the parent's blocks"
+    return a
+with cases("copy-on-write with no free block: OutOfBlocks, nothing changed"), alone():
+    a = no_room()
     try:
         a.append(1, 1)
     except OutOfBlocks:
@@ -458,14 +530,17 @@ with graded_alone(SharedBlockAllocator, Problem1):
         raise AssertionError("copy-on-write needs a free block and none is left: OutOfBlocks")
     assert table(a, 1) == [0] and a.ref_count[0] == 2 and a.pending_copies == [] and a.lengths[1] == 3, \
         "a copy-on-write that does not fit must change nothing"
+with cases("fork onto an existing sequence raises ValueError"), alone():
+    a = no_room()
     try:
         a.fork(0, 1)
     except ValueError:
         pass
     else:
         raise AssertionError("forking onto an existing sequence must raise ValueError")
-    # random forks, appends and frees, checked against an independent pool that applies the copies
-    for bs in (1, 3, 4):
+# random forks, appends and frees, checked against an independent pool that applies the copies
+for bs in (1, 3, 4):
+    with cases(f"random forks, appends and frees, blocks of {bs}"), alone():
         rng = random.Random(10 + bs)
         a = SharedBlockAllocator(n_blocks=30, block_size=bs)
         pool, want, next_id = {}, {}, 0
@@ -511,6 +586,7 @@ with graded_alone(SharedBlockAllocator, Problem1):
             a.free(seq)
         assert a.n_free == 30 and not any(a.ref_count), "reference counts leak: blocks stay used after every sequence is freed"
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ## 3. Keys and values in blocks
@@ -636,6 +712,15 @@ kk = torch.stack([kc[2, 0], kc[2, 1], kc[0, 0], kc[0, 1]])[:, 0]      # the sequ
 vv = torch.stack([vc[2, 0], vc[2, 1], vc[0, 0], vc[0, 1]])[:, 0]
 expect = torch.softmax(q[0] @ kk.T * 0.5, dim=-1) @ vv                # both query heads read KV head 0
 assert torch.allclose(out[0], expect, atol=1e-5), "attention over the sequence's tokens, gathered through its block table"
+qg = torch.randn(1, 4, 4, device=dev)                                  # 4 query heads over 2 KV heads (GQA)
+kg, vg = torch.randn(2, 2, 2, 4, device=dev), torch.randn(2, 2, 2, 4, device=dev)   # 2 blocks of 2 slots, 2 KV heads
+outg = expect_tensor(paged_attention_ref(qg, kg, vg, torch.tensor([[1, 0]], dtype=torch.int32, device=dev),
+                                         torch.tensor([3], dtype=torch.int32, device=dev), 0.5),
+                     "paged_attention_ref(q with 4 heads, 2 KV heads, ...)", dtype=qg.dtype, shape=(1, 4, 4), device=dev)
+kk, vv = torch.cat([kg[1], kg[0]])[:3], torch.cat([vg[1], vg[0]])[:3]           # the 3 tokens: block 1, then block 0
+expect = torch.stack([torch.softmax(qg[0, h] @ kk[:, h // 2].T * 0.5, dim=-1) @ vv[:, h // 2] for h in range(4)])
+assert torch.allclose(outg[0], expect, atol=1e-5), \
+    "GQA: query heads 0 and 1 read KV head 0, heads 2 and 3 read KV head 1 (h // (H // Hkv)): repeat_interleave the KV heads, not repeat"
 # your write_kv and attention in the real model, with the course's allocator (Problem 1 is graded on its own)
 w, _, _ = compare_with_contiguous(tokenizer("The capital of France is").input_ids, 5, allocator=CourseAllocator)
 assert w < 1e-3, f"paged and contiguous caches must give the same logits (float32), largest difference {w:.1e}"
@@ -712,6 +797,9 @@ md(r"""
   and try again; if the request being served was itself the newest, it is the one preempted. Return
   `(decoding, preempted)`: `[(request, slot), ...]` for the requests that got a slot, in order, and the
   list of preempted requests.
+
+Graded case by case: each scenario of the tests earns its share of the 3 points, and the feedback lists the
+cases that failed.
 """),
 solution("block_policy", r'''
 def admit(queues: Queues, alloc: BlockAllocator, step: int) -> list[tuple[Request, list[int]]]:
@@ -800,8 +888,9 @@ for i, out in enumerate(paged_run.outputs):
 """),
 tests("block_policy_tests", 3, r"""
 from course.engine import BlockAllocator as CourseAllocator, paged_attention, write_kv as course_write_kv
-from course.expect import expect_int, expect_ints, expect_tuple, expect_type
+from course.expect import Cases, expect_int, expect_ints, expect_tuple, expect_type
 
+cases = Cases(points=3)        # one share of the 3 points per case: the feedback lists the cases that failed
 def course_pieces(n_blocks, block_size):
     # Problems 1-3 as the course wrote them: this cell grades your admit and reserve_decode alone
     return dict(allocator=CourseAllocator(n_blocks, block_size), store=course_write_kv, attention=paged_attention)
@@ -819,68 +908,89 @@ def reserved(q, a):
              for i, (r, s) in enumerate(pairs)],
             [expect_type(r, f"preempted[{i}]", Request) for i, r in enumerate(expect_type(preempted, "preempted", list))])
 
-run = paged_generate(model_fp32, workload6(), max_batch_size=4, n_blocks=8, block_size=4, **course_pieces(8, 4))
-assert run.preemptions > 0, "8 blocks cannot hold 4 growing requests: the engine must have preempted"
-assert run.outputs == contiguous_generate(model_fp32, workload6(), max_batch_size=4, max_len=32).outputs, \
-    "preempt-and-recompute must give exactly the contiguous engine's tokens (a recomputed request needs prompt + output)"
-q = Queues([Request(0, [1] * 9, 4), Request(1, [1] * 2, 4)], max_batch_size=4)
-a = CourseAllocator(n_blocks=2, block_size=4)
-assert admitted(q, a, step=0) == [] and len(q.waiting) == 2, \
-    "9 tokens need 3 blocks, 2 are free: hold back, and let nobody overtake"
-q = Queues([Request(i, [1] * 4, 4) for i in range(3)], max_batch_size=4)
-a = CourseAllocator(n_blocks=4, block_size=4)
-assert [r.rid for r, _ in admitted(q, a, step=0)] == [0, 1, 2] and a.n_free == 1, "all three prompts fit in 3 blocks"
-decoding, preempted = reserved(q, a)
-assert [r.rid for r, _ in decoding] == [0, 1] and [r.rid for r in preempted] == [2], \
-    "request 0 takes the last free block; request 1 needs one too: preempt the newest (2) and retry"
-assert q.waiting[0].rid == 2 and a.n_free == 0 and 2 not in a.block_tables, "the preempted request is freed and waits at the front"
+def all_running(q, a):  # every waiting request admitted, as the course's admit does it: your reserve_decode alone
+    while q.waiting:
+        r = q.waiting.popleft()
+        q.running.append(r)
+        a.append(r.rid, len(r.prompt) + len(r.output))
+
+with cases("preempt and recompute: the contiguous engine's tokens"):
+    run = paged_generate(model_fp32, workload6(), max_batch_size=4, n_blocks=8, block_size=4, **course_pieces(8, 4))
+    assert run.preemptions > 0, "8 blocks cannot hold 4 growing requests: the engine must have preempted"
+    assert run.outputs == contiguous_generate(model_fp32, workload6(), max_batch_size=4, max_len=32).outputs, \
+        "preempt-and-recompute must give exactly the contiguous engine's tokens (a recomputed request needs prompt + output)"
+with cases("hold back: nobody overtakes"):
+    q = Queues([Request(0, [1] * 9, 4), Request(1, [1] * 2, 4)], max_batch_size=4)
+    a = CourseAllocator(n_blocks=2, block_size=4)
+    assert admitted(q, a, step=0) == [] and len(q.waiting) == 2, \
+        "9 tokens need 3 blocks, 2 are free: hold back, and let nobody overtake"
+with cases("admit while the prompts fit"):
+    q = Queues([Request(i, [1] * 4, 4) for i in range(3)], max_batch_size=4)
+    a = CourseAllocator(n_blocks=4, block_size=4)
+    assert [r.rid for r, _ in admitted(q, a, step=0)] == [0, 1, 2] and a.n_free == 1, "all three prompts fit in 3 blocks"
+with cases("preempt the newest when blocks run out"):
+    q = Queues([Request(i, [1] * 4, 4) for i in range(3)], max_batch_size=4)
+    a = CourseAllocator(n_blocks=4, block_size=4)
+    all_running(q, a)                              # three full blocks of 4, one block free
+    decoding, preempted = reserved(q, a)
+    assert [r.rid for r, _ in decoding] == [0, 1] and [r.rid for r in preempted] == [2], \
+        "request 0 takes the last free block; request 1 needs one too: preempt the newest (2) and retry"
+    assert q.waiting[0].rid == 2 and a.n_free == 0 and 2 not in a.block_tables, "the preempted request is freed and waits at the front"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_GREEDY + r"""
 # admission: arrival, batch size, prompt + output for a recomputed request
-q = Queues([Request(0, [1] * 3, 4, arrival=2), Request(1, [1], 4)], max_batch_size=4)
-a = CourseAllocator(n_blocks=8, block_size=2)
-got = admitted(q, a, step=0)
-assert [r.rid for r, _ in got] == [1] and len(got[0][1]) == 1, "admit only arrived requests, with a slot per prompt token"
-q = Queues([Request(i, [1] * 3, 9) for i in range(5)], max_batch_size=2)
-a = CourseAllocator(n_blocks=20, block_size=2)
-assert [r.rid for r, _ in admitted(q, a, 0)] == [0, 1], "never more running requests than max_batch_size"
-q = Queues([Request(7, [1] * 3, 9)], max_batch_size=2)
-q.waiting[0].output = [5, 5, 5]
-a = CourseAllocator(n_blocks=20, block_size=2)
-(r, slots), = admitted(q, a, 0)
-assert len(slots) == 6 and a.lengths[7] == 6, "a preempted request comes back with prompt + output: reserve slots for all of them"
+with cases("admit only the requests that have arrived"):
+    q = Queues([Request(0, [1] * 3, 4, arrival=2), Request(1, [1], 4)], max_batch_size=4)
+    a = CourseAllocator(n_blocks=8, block_size=2)
+    got = admitted(q, a, step=0)
+    assert [r.rid for r, _ in got] == [1] and len(got[0][1]) == 1, "admit only arrived requests, with a slot per prompt token"
+with cases("never more running requests than max_batch_size"):
+    q = Queues([Request(i, [1] * 3, 9) for i in range(5)], max_batch_size=2)
+    a = CourseAllocator(n_blocks=20, block_size=2)
+    assert [r.rid for r, _ in admitted(q, a, 0)] == [0, 1], "never more running requests than max_batch_size"
+with cases("a preempted request comes back with prompt + output"):
+    q = Queues([Request(7, [1] * 3, 9)], max_batch_size=2)
+    q.waiting[0].output = [5, 5, 5]
+    a = CourseAllocator(n_blocks=20, block_size=2)
+    (r, slots), = admitted(q, a, 0)
+    assert len(slots) == 6 and a.lengths[7] == 6, "a preempted request comes back with prompt + output: reserve slots for all of them"
 # preemption order: several victims, and the served request preempting itself
-q = Queues([Request(i, [1] * 2, 9) for i in range(3)], max_batch_size=3)
-a = CourseAllocator(n_blocks=3, block_size=2)
-admitted(q, a, 0)
-decoding, preempted = reserved(q, a)
-assert [r.rid for r, _ in decoding] == [0], "the oldest request keeps running"
-assert [r.rid for r in preempted] == [2, 1], "preempt the newest first, then the next newest"
-assert [r.rid for r in q.waiting] == [1, 2], "preempted requests go back to the front of waiting, oldest first"
-assert all(r.preemptions == 1 for r in preempted) and a.n_free == 3 - len(a.block_tables[0]), \
-    "each preempted request counts one preemption and gives back its blocks"
-q = Queues([Request(0, [1] * 4, 9)], max_batch_size=1)
-a = CourseAllocator(n_blocks=1, block_size=4)
-admitted(q, a, 0)
-decoding, preempted = reserved(q, a)
-assert decoding == [] and [r.rid for r in preempted] == [0] and a.n_free == 1, "the only request preempts itself"
+with cases("several preemptions: newest first, back to the front of waiting"):
+    q = Queues([Request(i, [1] * 2, 9) for i in range(3)], max_batch_size=3)
+    a = CourseAllocator(n_blocks=3, block_size=2)
+    all_running(q, a)
+    decoding, preempted = reserved(q, a)
+    assert [r.rid for r, _ in decoding] == [0], "the oldest request keeps running"
+    assert [r.rid for r in preempted] == [2, 1], "preempt the newest first, then the next newest"
+    assert [r.rid for r in q.waiting] == [1, 2], "preempted requests go back to the front of waiting, oldest first"
+    assert all(r.preemptions == 1 for r in preempted) and a.n_free == 3 - len(a.block_tables[0]), \
+        "each preempted request counts one preemption and gives back its blocks"
+with cases("the only request preempts itself"):
+    q = Queues([Request(0, [1] * 4, 9)], max_batch_size=1)
+    a = CourseAllocator(n_blocks=1, block_size=4)
+    all_running(q, a)
+    decoding, preempted = reserved(q, a)
+    assert decoding == [] and [r.rid for r in preempted] == [0] and a.n_free == 1, "the only request preempts itself"
 # whole runs on tiny models: every request's tokens equal the request alone, blocks all freed
 for family, seed, kv in (("llama", 5, 2), ("gpt2", 6, 4), ("llama", 7, 1)):
-    tiny = _tiny(family, seed, kv)
-    g = torch.Generator().manual_seed(seed)
-    specs = [(3, 7, 0), (6, 2, 0), (1, 9, 0), (4, 5, 1), (2, 8, 2), (5, 3, 6)]
-    def reqs():
-        g.manual_seed(seed)
-        return [Request(i, torch.randint(1, 64, (n,), generator=g).tolist(), k, a) for i, (n, k, a) in enumerate(specs)]
-    refs = [_ref_greedy(tiny, r.prompt, r.max_new_tokens) for r in reqs()]
-    for B, n_blocks, bs in ((3, 40, 4), (4, 7, 2), (6, 6, 3), (2, 5, 4)):
-        run = paged_generate(tiny, reqs(), B, n_blocks, bs, **course_pieces(n_blocks, bs))
-        assert run.outputs == refs, f"{family}, B={B}, {n_blocks} blocks of {bs}: outputs differ from each request alone"
-        assert max(run.reserved) <= n_blocks * bs, "the engine reserved more slots than the pool holds"
-        assert all(u <= r for u, r in zip(run.used, run.reserved)), "a sequence holds more tokens than its blocks"
-        assert run.reserved[-1] == 0, "blocks never freed: the pool is not empty after the last request finished"
-    assert paged_generate(tiny, reqs(), 4, 7, 2, **course_pieces(7, 2)).preemptions > 0, "a small pool must force preemptions"
+    with cases(f"whole runs on a tiny {family} model, {kv} KV head{'s' * (kv > 1)}"):
+        tiny = _tiny(family, seed, kv)
+        g = torch.Generator().manual_seed(seed)
+        specs = [(3, 7, 0), (6, 2, 0), (1, 9, 0), (4, 5, 1), (2, 8, 2), (5, 3, 6)]
+        def reqs():
+            g.manual_seed(seed)
+            return [Request(i, torch.randint(1, 64, (n,), generator=g).tolist(), k, a) for i, (n, k, a) in enumerate(specs)]
+        refs = [_ref_greedy(tiny, r.prompt, r.max_new_tokens) for r in reqs()]
+        for B, n_blocks, bs in ((3, 40, 4), (4, 7, 2), (6, 6, 3), (2, 5, 4)):
+            run = paged_generate(tiny, reqs(), B, n_blocks, bs, **course_pieces(n_blocks, bs))
+            assert run.outputs == refs, \
+                f"{family}, B={B}, {n_blocks} blocks of {bs}: outputs differ from each request alone (a recomputed request needs prompt + output)"
+            assert max(run.reserved) <= n_blocks * bs, "the engine reserved more slots than the pool holds"
+            assert all(u <= r for u, r in zip(run.used, run.reserved)), "a sequence holds more tokens than its blocks"
+            assert run.reserved[-1] == 0, "blocks never freed: the pool is not empty after the last request finished"
+        assert paged_generate(tiny, reqs(), 4, 7, 2, **course_pieces(7, 2)).preemptions > 0, "a small pool must force preemptions"
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ### See it: the blocks of your engine
@@ -1121,19 +1231,106 @@ and what remains is the kernels' own cost.
   sequence's length with `int(...)` cannot be captured in a CUDA graph, and on a GPU the decode
   step of a small model is launch-bound without one (lab 02).
 
-**Questions**
+**Questions**. Answer in the cell under each group, in a few sentences of your own, with the
+arithmetic where a question asks for a number; a person grades them (4 points in all).
 1. How much memory does a contiguous cache take for one request at 8k context on SmolLM2 (fp16)? At
    128k? How many such requests fit next to the weights on a 16 GB GPU?
 2. In your measurement, which of the three parts of a contiguous slot (used, reserved for later, never
    used) was the largest? How would a tighter `max_len` change each, and at what price?
+"""),
+answer("contiguous_cost_answer", 1, "questions 1 and 2", model=r"""
+1. Per token: `2 (K and V) x 30 layers x 3 KV heads x 64 x 2 bytes` = 23,040 bytes (22.5 KiB). At 8k
+   (8,192 tokens): 188,743,680 bytes, 180 MiB (0.19 GB). At 128k (131,072 tokens): 3.02 GB (2.8 GiB).
+   The fp16 weights take about 0.27 GB (134.5 M parameters). On a 16 GB GPU:
+   `(16 - 0.27) / 0.189` = about 83 requests at 8k (89 if the GPU has 16 GiB), and
+   `(16 - 0.27) / 3.02` = 5 requests at 128k, before activations and the CUDA context, which take a
+   little more.
+2. (With the lab's workload, `MAX_LEN` 2,048:) "never used" was by far the largest part, about two
+   thirds of the reserved slot-steps (about 65%), against about 22% used and 12% reserved for later:
+   most requests end far below 2,048 tokens. A tighter `max_len` shrinks "never used" (by the same
+   number of slots for every request), leaves "used" and "reserved for later" as they are for every
+   request that still fits, and lets more requests run at once. The price: a request whose prompt
+   plus answer needs more than `max_len` is cut off or refused, and the limit must be chosen for the
+   worst case the service accepts.
+""", rubric=r"""
+- 0.5: question 1: the per-token size (23,040 bytes or the formula), both totals (about 180 MiB and
+  2.8-3 GiB) and the counts (about 83-89 and 5; a small slip in the arithmetic with the right method
+  keeps half).
+- 0.5: question 2: the largest part from the student's run (never used) with its share; a tighter
+  max_len cuts "never used" only, and the price is truncated or refused long requests.
+"""),
+md(r"""
 3. Why does the waste of a paged cache grow with the block size? Why not use a block size of 1?
 4. Parallel sampling with `n = 4` answers of 200 tokens to a 1,000-token prompt: how many blocks of 16
    does it take with sharing, and without?
+"""),
+answer("block_size_sharing_answer", 1, "questions 3 and 4", model=r"""
+3. Only each sequence's last block is partly empty: between 0 and `block_size - 1` slots, about
+   `block_size / 2` on average, so the waste per sequence grows linearly with the block size. A
+   block size of 1 wastes nothing but makes a block table as long as the sequence (one entry, one
+   allocation and one free per token: more memory and bookkeeping on the host), and the attention
+   kernel could no longer read a contiguous tile of keys per block: every token is its own
+   indirection, loads are scattered and short, and tiles for `tl.dot` must be gathered token by
+   token. Prefix caching (lab 09) would also hash every token. Engines use 16 or 32.
+4. Each sequence ends with 1,200 tokens = 75 blocks. Without sharing: `4 x 75 = 300` blocks. With
+   sharing: the prompt's 62 full blocks (992 tokens) are shared once; its last block (8 tokens) is
+   partly full, so copy-on-write gives each sequence its own (the original plus 3 copies), and each
+   then needs blocks 62 to 74: 13 blocks of its own. Total `62 + 4 x 13 = 114` blocks.
+""", rubric=r"""
+- 0.5: question 3: waste is the last block's empty part (up to block_size - 1, about half a block on
+  average); block size 1 costs long tables and per-token bookkeeping and scattered, untiled kernel reads.
+- 0.5: question 4: 300 without sharing and 114 with (62 shared + 4 x 13). 112 or 116 with the
+  partial block handled explicitly but differently (e.g. counting the shared partial block once more)
+  earns 0.25.
+"""),
+md(r"""
 5. Why preempt the *newest* request? What could go wrong if the engine preempted the oldest?
 6. Recompute or swap to CPU memory: which is cheaper for a short request, and for a very long one? (Think
    of prefill FLOPs against PCIe bandwidth.)
+"""),
+answer("preemption_answer", 1, "questions 5 and 6", model=r"""
+5. The newest request is the last in line under first come, first served, so evicting it is fair; it
+   usually holds the fewest tokens, so its recompute is cheapest; and the oldest request always keeps
+   its blocks and makes progress, so every request eventually finishes. Evicting the oldest throws
+   away the most work (the longest recompute), hurts the request that has waited longest, and can go
+   round in circles: the evicted request goes back to the front of the queue, is admitted again,
+   needs its blocks again and evicts or is evicted again (thrashing), with no guarantee that anyone
+   finishes.
+6. Recompute costs a prefill of the request's `n` tokens: about `2 x parameters x n` FLOPs plus
+   attention, which grows with `n^2` (SmolLM2: 0.27 GFLOP per token plus about 69,000 x n FLOPs for
+   attention), at the GPU's FLOP rate. Swap costs moving `n x 23,040` bytes (SmolLM2, bf16) out over
+   PCIe and back (about 25 GB/s each way), linear in `n`, and the copies can overlap other work. A short
+   request: recompute; its prefill is small and fast (compute the GPU has to spare), while a swap adds
+   transfers, CPU memory and bookkeeping for little. A very long one: swap; at 100k tokens its prefill
+   is about 370 TFLOP (roughly a second on an H100) and stalls the batch, while its 2.3 GB cross
+   PCIe in about 0.1 s each way. The crossover depends on the model's FLOPs per KV byte and the GPU's
+   FLOP rate against its PCIe link.
+""", rubric=r"""
+- 0.5: question 5: newest = fairness (last in line), least work lost, guaranteed progress for the
+  oldest; preempting the oldest loses the most work and can thrash or livelock.
+- 0.5: question 6: recompute costs prefill FLOPs (growing faster than linearly with length), swap costs
+  bytes over PCIe (linear); short request -> recompute, very long -> swap, argued with a rough estimate
+  or the scaling. A reasoned different conclusion with correct numbers for a named model earns it too.
+"""),
+md(r"""
 7. Your `paged_attention_ref` copies each sequence's keys into a new tensor before attending. How many
    bytes does that copy move per decode step for 32 sequences of 1,000 tokens on SmolLM2 in bf16?
+"""),
+answer("gather_copy_answer", 1, "question 7", model=r"""
+Per token and layer the keys take `3 KV heads x 64 x 2 bytes` = 384 bytes, and the values as much.
+One decode step copies every sequence's keys and values at every layer:
+`32 x 1,000 x 30 x 2 x 384` = 737,280,000 bytes, about 0.74 GB written, after reading as much (about
+1.5 GB of memory traffic), on top of the 0.74 GB that attention must read anyway. The keys alone are
+half of it: 369 MB. (The reference then converts the copies to float32 and repeats them to 9 heads,
+which writes several times more.) At an H100's 3.35 TB/s the plain copy adds about 0.4 ms to every
+step, more than the whole attention should cost: this is what lab 06's kernels remove by reading the
+blocks in place.
+""", rubric=r"""
+- 0.5: the method: tokens x layers x KV heads x head_dim x 2 bytes, for keys (and values), per step.
+- 0.5: the number: 369 MB for the keys alone or 737 MB (0.74 GB) for keys and values (either, if
+  stated which; counting the read as well, about 1.5 GB, also earns it).
+"""),
+md(r"""
 
 ## Going further
 

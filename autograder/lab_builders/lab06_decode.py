@@ -1,6 +1,6 @@
 """Lab 06, Problems 2 and 3: paged decode attention, one block per iteration (v1), then several (v2)."""
 from autograder.authoring import code, locked, md, solution, tests
-from autograder.lab_builders.lab06_refs import HIDDEN_ATTENTION
+from autograder.lab_builders.lab06_refs import FP16_BIG, HIDDEN_ATTENTION, HIDDEN_BIG
 
 CELLS = [
 md(r"""
@@ -25,8 +25,9 @@ per head, a running sum `l` of `exp(score - m)`, and a running weighted sum `acc
    `l = l * alpha + rowsum(exp(s - m_new))`, `acc = acc * alpha + exp(s - m_new) @ v`; `m = m_new`.
 
 At the end `out = acc / l`, stored for the real heads only. Compute in float32 whatever the input
-dtype, and store in the output's dtype (`out_ptr.dtype.element_ty`). Without `tl.dot`, `q . k` for
-all heads and positions is `tl.sum(q[:, None, :] * k[None, :, :], axis=2)`.
+dtype: convert each tile right after loading it (`.to(tl.float32)`; fp16 holds numbers up to 65,504,
+and `q . k` before the scale can pass that), and store in the output's dtype (`out_ptr.dtype.element_ty`).
+Without `tl.dot`, `q . k` for all heads and positions is `tl.sum(q[:, None, :] * k[None, :, :], axis=2)`.
 
 **Deliverable:** the body of `paged_attention_v1_kernel`; `paged_attention_v1` (given) launches it.
 """),
@@ -125,11 +126,24 @@ def paged_case(lens, H, Hkv, D, block_size, dtype=torch.float32, seed=0):
     tables = block_table_tensor([alloc.block_tables[s] for s in range(len(lens))], dev)
     q = torch.randn(len(lens), H, D, generator=g).to(dev, dtype)
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=dev)
+
+
+def decode_hint(out, ref, lens, per_iter, tol):
+    """What a wrong decode output (B, H, D) most likely comes from, judged by where it is wrong: the tests'
+    messages. per_iter: the tokens one loop iteration covers (v1: a block; v2: a tile)."""
+    if out.isnan().any():
+        return "NaN: a load past context_len is not masked (other=0.0), or a score there is not -inf"
+    err = (out.cpu().double() - ref.cpu().double()).abs().amax(dim=(1, 2))          # (B,): per sequence
+    short = torch.tensor([L <= per_iter for L in lens])                             # cpu: beside err
+    if short.any() and err[short].max() < tol:
+        return (f"right for the sequences of at most {per_iter} tokens (one iteration), wrong for the longer ones: the "
+                "online softmax across iterations (when the maximum grows, rescale l and acc by alpha = exp(m - m_new))")
+    return ("wrong already within one iteration: the scale, -inf for the positions >= context_len, or the query heads "
+            "of this KV head (kv_head * GROUP + g)")
 '''),
-code(r'''
-case = paged_case([5, 8, 1, 13], H=9, Hkv=3, D=16, block_size=4)
-diff = (paged_attention_v1(*case, 0.25) - paged_attention(*case, 0.25)).abs().max().item()
-print(f"v1 against the reference: max |diff| = {diff:.1e}")
+locked("paged_attention_v1_build", r'''
+# Given: your kernel compiled for an A100 and an H100 (bf16) in the background; the tests wait for the compiler
+paged_attention_v1_build = gpu_compile(paged_attention_v1_kernel, dict(H=9, H_KV=3, GROUP=3, GROUP_PAD=4, BLOCK_SIZE=16, D=32))
 '''),
 tests("paged_attention_v1_tests", 4, r"""
 from course.expect import expect_tensor
@@ -137,23 +151,36 @@ for lens, H, Hkv, bs in (([5, 8, 1, 13], 9, 3, 4), ([4, 7], 4, 4, 4), ([16, 3], 
     case = paged_case(lens, H=H, Hkv=Hkv, D=16, block_size=bs, seed=H)
     out = expect_tensor(paged_attention_v1(*case, 0.25), "paged_attention_v1(...)", dtype=torch.float32,
                         shape=(len(lens), H, 16), device=dev)
-    diff = (out - paged_attention(*case, 0.25)).abs().max().item()
-    assert diff < 1e-4, f"lengths {lens}, H={H}, Hkv={Hkv}, block_size={bs}: max |diff| {diff:.1e} from the reference " \
-                        "(NaN: a load or a score past context_len is not masked)"
+    ref = paged_attention(*case, 0.25)
+    diff = (out - ref).abs().max().item()
+    assert diff < 1e-4, f"lengths {lens}, H={H}, Hkv={Hkv}, block_size={bs}: max |diff| {diff:.1e} from the reference: " \
+                        + decode_hint(out, ref, lens, bs, 1e-4)
+v1_compiled = gpu_compiled(paged_attention_v1_build, "paged_attention_v1_kernel")   # waits for the compiler started above
 ### BEGIN HIDDEN TESTS
-""" + HIDDEN_ATTENTION + r"""
+""" + HIDDEN_ATTENTION + "\n" + HIDDEN_BIG + r"""
 for H, Hkv, bs, dtype, seed in ((4, 4, 4, torch.float32, 1), (8, 2, 8, torch.float16, 2), (4, 1, 16, torch.float32, 3),
                                 (9, 3, 2, torch.float16, 4), (6, 3, 1, torch.float32, 5)):
     lens = [1, bs, 2 * bs + 1, 3 * bs]
     q, kcache, vcache, bt, cl, ks, vs = _paged_case(lens, H, Hkv, 16, bs, dtype, seed, pad_width=1)
     out = expect_tensor(paged_attention_v1(q, kcache, vcache, bt, cl, 0.25), f"paged_attention_v1 ({dtype})",
                         dtype=dtype, shape=tuple(q.shape), device=dev)
-    err = (out.cpu().double() - _dense(q, ks, vs, 0.25)).abs().max().item()
+    ref = _dense(q, ks, vs, 0.25)
+    what = f"v1, H={H}, Hkv={Hkv}, block_size={bs}, {dtype}, lengths {lens} (length 1, exact block multiples, a last block part full)"
+    assert not out.isnan().any(), f"{what}: " + decode_hint(out, ref, lens, bs, 0)
+    err = (out.cpu().double() - ref).abs().max().item()
     tol = 1e-4 if dtype == torch.float32 else 4e-3
-    assert err < tol, f"v1, H={H}, Hkv={Hkv}, block_size={bs}, {dtype}, lengths {lens}: max |diff| {err:.1e} against " \
-                      "dense attention (length 1, exact block multiples, the partly full last block, GQA head mapping)"
+    assert err < tol, f"{what}: max |diff| {err:.1e} against dense attention: " + decode_hint(out, ref, lens, bs, tol)
+""" + FP16_BIG.replace("KERNEL", "paged_attention_v1").replace("WHAT", "v1").replace("EXTRA", "") + r"""
 ### END HIDDEN TESTS
 """),
+md(r"""
+Your v1 on the first case of the tests, next to the reference:
+"""),
+code(r'''
+case = paged_case([5, 8, 1, 13], H=9, Hkv=3, D=16, block_size=4)
+diff = (paged_attention_v1(*case, 0.25) - paged_attention(*case, 0.25)).abs().max().item()
+print(f"v1 against the reference: max |diff| = {diff:.1e}")
+'''),
 md(r"""
 ## Problem 3: v2: several blocks per iteration (2 points)
 
@@ -164,6 +191,8 @@ cost per iteration, is even slower. v2 covers `BLOCKS_PER_ITER` blocks per itera
 logical block `pos // BLOCK_SIZE` and offset `pos % BLOCK_SIZE`, so the tile first loads a vector of
 `TILE` block ids from the table (masked: past the sequence's last block the table holds padding, or
 the next row), then gathers keys and values through them. The online softmax is unchanged.
+`BLOCKS_PER_ITER` must be a power of two, as `BLOCK_SIZE` is: `TILE` is the length of a `tl.arange`
+(the launcher refuses other values).
 
 **Deliverable:** the body of `paged_attention_v2_kernel`; `paged_attention_v2` (given) launches it
 with `BLOCKS_PER_ITER = 4` by default.
@@ -211,8 +240,16 @@ def paged_attention_v2_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_ta
 
 
 def paged_attention_v2(q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_iter=4):
+    if type(blocks_per_iter) is not int or blocks_per_iter < 1 or blocks_per_iter & (blocks_per_iter - 1):
+        raise ValueError(f"blocks_per_iter must be a power of two (1, 2, 4, 8, ...): a tile of blocks_per_iter * block_size "
+                         f"positions is a tl.arange, whose length must be a power of two; got {blocks_per_iter!r}")
     return launch_paged(paged_attention_v2_kernel, q, k_cache, v_cache, block_tables, context_lens, scale,
                         BLOCKS_PER_ITER=blocks_per_iter)
+'''),
+locked("paged_attention_v2_build", r'''
+# Given: your kernel compiled for an A100 and an H100 (bf16) in the background; the tests wait for the compiler
+paged_attention_v2_build = gpu_compile(paged_attention_v2_kernel, dict(H=9, H_KV=3, GROUP=3, GROUP_PAD=4, BLOCK_SIZE=16, D=32,
+                                                                     BLOCKS_PER_ITER=2))
 '''),
 tests("paged_attention_v2_tests", 2, r"""
 from course.expect import expect_tensor
@@ -220,21 +257,26 @@ case = paged_case([5, 8, 1, 30], H=9, Hkv=3, D=16, block_size=4, seed=7)
 for n in (1, 2, 4):
     out = expect_tensor(paged_attention_v2(*case, 0.25, blocks_per_iter=n), f"paged_attention_v2(..., blocks_per_iter={n})",
                         dtype=torch.float32, shape=(4, 9, 16), device=dev)
-    diff = (out - paged_attention(*case, 0.25)).abs().max().item()
-    assert diff < 1e-4, f"blocks_per_iter={n}: max |diff| {diff:.1e} from the reference (mask the block-table load " \
-                        "and the positions past context_len)"
+    ref = paged_attention(*case, 0.25)
+    diff = (out - ref).abs().max().item()
+    assert diff < 1e-4, f"blocks_per_iter={n} (tiles of {4 * n} positions), lengths [5, 8, 1, 30]: max |diff| {diff:.1e} " \
+                        "from the reference: " + decode_hint(out, ref, [5, 8, 1, 30], 4 * n, 1e-4)
+v2_compiled = gpu_compiled(paged_attention_v2_build, "paged_attention_v2_kernel")   # waits for the compiler started above
 ### BEGIN HIDDEN TESTS
-""" + HIDDEN_ATTENTION + r"""
+""" + HIDDEN_ATTENTION + "\n" + HIDDEN_BIG + r"""
 for H, Hkv, bs, n, dtype, seed in ((4, 4, 4, 2, torch.float32, 1), (8, 2, 8, 4, torch.float16, 2), (4, 1, 2, 8, torch.float32, 3),
                                    (9, 3, 16, 2, torch.float16, 4), (6, 3, 4, 4, torch.float32, 5)):
     lens = [1, bs, 2 * bs + 1, n * bs, n * bs + 1, 3 * n * bs - 1]
     q, kcache, vcache, bt, cl, ks, vs = _paged_case(lens, H, Hkv, 16, bs, dtype, seed)
     out = expect_tensor(paged_attention_v2(q, kcache, vcache, bt, cl, 0.25, blocks_per_iter=n), f"paged_attention_v2 ({dtype})",
                         dtype=dtype, shape=tuple(q.shape), device=dev)
-    err = (out.cpu().double() - _dense(q, ks, vs, 0.25)).abs().max().item()
+    ref = _dense(q, ks, vs, 0.25)
+    what = f"v2, H={H}, Hkv={Hkv}, block_size={bs}, blocks_per_iter={n}, {dtype}, lengths {lens}"
+    assert not out.isnan().any(), f"{what}: " + decode_hint(out, ref, lens, n * bs, 0)
+    err = (out.cpu().double() - ref).abs().max().item()
     tol = 1e-4 if dtype == torch.float32 else 4e-3
-    assert err < tol, f"v2, H={H}, Hkv={Hkv}, block_size={bs}, blocks_per_iter={n}, {dtype}: max |diff| {err:.1e} " \
-                      "against dense attention (mask the block-table load and the positions past context_len)"
+    assert err < tol, f"{what}: max |diff| {err:.1e} against dense attention: " + decode_hint(out, ref, lens, n * bs, tol)
+""" + FP16_BIG.replace("KERNEL", "paged_attention_v2").replace("WHAT", "v2").replace("EXTRA", ", blocks_per_iter=2") + r"""
 ### END HIDDEN TESTS
 """),
 ]

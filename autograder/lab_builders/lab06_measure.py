@@ -1,7 +1,7 @@
 """Lab 06, Problem 7 and the measurements: bytes and bandwidth, the model of the kernels on CPU, the
 perf_report benchmark against SDPA and the HBM roofline on a GPU, the prefill against SDPA's flash
 backend, a profile, your kernels inside the engine; then the summary and going further."""
-from autograder.authoring import code, md, solution, tests
+from autograder.authoring import answer, code, md, solution, tests
 
 CELLS = [
 md(r"""
@@ -388,14 +388,57 @@ else:
 md(r"""
 ### Explain the gap (write it down)
 
-Answer in your own words, with **your** numbers (on a CPU, with the floors and program counts above,
-and say what you expect a GPU to show):
+Answer in your own words, in the cell under each question, with **your** numbers (on a CPU, with the
+floors and program counts above, and say what you expect a GPU to show). A person grades these
+(4 points in all).
 
 1. At 32 x 1k and at 8 x 8k, what fraction of the roofline does your best kernel reach, and how fast is
    it next to SDPA on gathered keys and values? Which of the two shapes is closer to the roofline, and why?
+"""),
+answer("gap_roofline_answer", 1, "question 1", model=r"""
+(Example: the course's H100 run, bf16, CUDA-graph replays; each student quotes their own numbers.)
+At 32 x 1k a call must read `32 x 1,024 x 3 x 64 x 2 x 2` = 25.2 MB of keys and values, a floor of
+7.5 us at 3,350 GB/s; the split-KV kernel reached 48% of the roofline (about 16 us) and ran at 0.98x
+SDPA's speed on keys and values already gathered. At 8 x 8k (50.3 MB, a floor of 15 us) it reached
+61% and ran 2.98x as fast as SDPA. (On an H200: 43% and 51%, 1.23x and 3.63x.) The long shape is
+closer to the roofline: each call moves twice the bytes, so the fixed costs of a call (two kernels
+in a row and the gap between them, the programs' start-up and the last, partly filled wave, stage
+2's merge) are a smaller share of it, and each program's loop is long enough to keep loads in
+flight. SDPA falls furthest behind at 8 x 8k, most likely because a kernel written for many query
+rows gets little parallelism from 24 (sequence, KV head) pairs of 3 queries each: the problem
+split-KV fixes. On a CPU the answer is what the floors predict (a few to a few tens of microseconds
+per layer) and the expectation that the long shape comes closer to its floor.
+""", rubric=r"""
+- 0.5: both fractions of the roofline and both speed ratios against SDPA, from the student's run (on a
+  CPU, the floors from the table and a stated expectation for a GPU).
+- 0.5: the long shape is closer, because fixed per-call costs (launch gap, stage 2, start-up and tail)
+  weigh less against more bytes (and SDPA lacks the split that fills the SMs at 8 x 8k).
+"""),
+md(r"""
 2. From the profile: what share of a call is stage 2? How much did launching it early (PDL) save on
    your GPU, and what is left of the gap between the two kernels? What would it cost to merge inside
    stage 1 instead?
+"""),
+answer("gap_stage2_answer", 1, "question 2", model=r"""
+Stage 2 does little work (it reads `n_splits` partial outputs of 64 floats and one lse per head: at
+32 x 1k, 32 x 9 x 4 x 65 x 4 bytes, about 0.3 MB) but is a second kernel that can only start when stage
+1 has finished: in the profile its kernel is a small share of the call's GPU time (around a tenth),
+and the gap around it costs as much again (on the H200 we tried, stage 1 alone took 10.5 us and the
+pair 12.2 us: the merge and its launch about 1.7 us, 14%). PDL lets stage 2 launch and start its
+programs while stage 1 runs, which hides the launch latency (the saving the cell printed, of the
+order of a microsecond at 32 x 1k, less in relative terms at 8 x 8k). What is left: stage 2 must still wait (`gdc_wait`) until every stage-1
+program has finished and its stores are visible, so the tail of stage 1 (its slowest program) and
+stage 2's own loads and stores stay on the critical path. Merging inside stage 1 (each program
+stores its part, takes a ticket from an atomic counter, and the last one of a (sequence, KV head)
+merges) saves the second launch but adds atomics and a fence, a counter to reset, and a serial round
+of loads behind the slowest split; on the H200 it was slower (13.2 us against 12.2 us).
+""", rubric=r"""
+- 0.5: stage 2's share from the student's profile, and the PDL saving from their run (or, without
+  PDL or a GPU, what they expect and why).
+- 0.5: what remains (the wait for stage 1 to finish and its stores, stage 2's own work) and the cost of
+  merging inside stage 1 (atomic ticket, extra loads behind the slowest split; no guaranteed gain).
+"""),
+md(r"""
 3. Name two more reasons your kernel is below the roofline that you can see in your numbers (think of
    the gap between two kernels of a graph against a floor of microseconds, the number of programs
    against the SMs, the last wave of programs, the padded rows of `tl.dot`, the `TILE` autotuning
@@ -403,8 +446,30 @@ and say what you expect a GPU to show):
    launches every call from Python, have reported at 32 x 1k, judging by the profile's CPU time per
    call?
 4. Why can v2 not reach the roofline at 8 x 8k, however well it is tuned?
-
-*Your answer here.*
+"""),
+answer("gap_reasons_answer", 2, "questions 3 and 4", model=r"""
+3. Any two, backed by the student's numbers, for example: the gap between the two kernels of the graph
+   (a microsecond or two) against a floor of 7.5 us at 32 x 1k; the programs against the SMs: 384
+   programs at 32 x 1k are 2.9 per SM on an H100's 132, so the last wave leaves SMs idle while the
+   slowest programs finish (at 8 x 8k, 312 programs: 2.4 per SM); each program covers only 256 (32 x 1k)
+   or 640 (8 x 8k) tokens, two to five tiles, too short a loop to keep enough loads in flight, and the
+   key addresses come from the block table, which limits how far ahead the loads can be issued; the
+   split length the sweep found fastest differs from the launcher's choice (the rule of thumb is not
+   your GPU's optimum); the `TILE` autotuning kept; the 13 padded rows of `tl.dot` cost registers (not
+   bytes). `do_bench`, launching from Python, would have timed the CPU: at 32 x 1k the profile showed
+   tens of microseconds of CPU time per call (about 90 us on the H100 we tried) against about 10-16 us of
+   GPU work, so it would have reported roughly the CPU time, a fraction of the bandwidth (around 10%
+   of the roofline instead of about 50%).
+4. v2 runs one program per (sequence, KV head): 8 x 3 = 24 programs at 8 x 8k, and one program runs on
+   one SM, so at most 24 of an H100's 132 SMs (18%) work. Each SM can keep only a limited number of
+   loads in flight, so 24 SMs cannot pull the whole memory bandwidth, whatever the tile size, warps or
+   stages. Only more programs help: splitting each sequence's context (split-KV) or more sequences.
+""", rubric=r"""
+- 1: question 3: two distinct reasons, each tied to a number of the student's (0.25 each); the do_bench
+  answer: it would time Python's launches, about the profile's CPU time per call, far above the GPU
+  time (0.5). On a CPU, the same reasons argued from the program counts and floors.
+- 1: question 4: 24 programs (B x Hkv) on 132 SMs; programs cannot spread over idle SMs, so no tuning
+  of a program reaches the bandwidth; the remedy is more programs (split-KV).
 """),
 md(r"""
 ## 6. Your kernels in the engine
@@ -484,20 +549,94 @@ md(r"""
 - Check every version against a reference, over dtypes, head layouts and edge cases; compile for the
   GPUs you do not have; time with the GPU's clock and compare with the roofline and a library kernel.
 
-**Questions**
+**Questions**. Answer in the cell under each group, in a few sentences of your own, with the
+arithmetic where a question asks for a number (about 20 minutes); a person grades them (3 points in all).
 1. Your v1 kernel loads each key once per KV head, not once per query head. By how much does that cut
    the bytes read for SmolLM2 (9 query heads, 3 KV heads)?
 2. What does each mask in your kernels protect against? Remove one at a time and rerun the check.
 3. How many programs do v2 and your split-KV kernel launch for 8 sequences of 8k tokens on an H100?
    What limits the split count from above?
+"""),
+answer("masks_programs_answer", 1, "questions 1 to 3", model=r"""
+1. By the group size, 9 / 3 = 3x: a kernel per query head would read each KV head's keys and values
+   three times; v1 reads them once for its group of 3 (at 32 x 1k, 25.2 MB per layer instead of 75.5 MB).
+2. `store_kv`: the lane mask (`< Hkv * D`, 192 of 256 lanes) keeps a token from reading past its row
+   and writing into the next slot; the slot mask skips padding tokens (slot -1 would write before the
+   cache). v1/v2: the head mask (`GROUP_PAD` = 4 rows for 3 heads) keeps the padded row from loading,
+   and storing into, the next group's query head (or past the buffer for the last KV head); the
+   position mask (`< context_len`) keeps the last block's stale slots (old data, even NaN) out of the
+   softmax; v2's block-id mask keeps padding or the next row of the block table from being used as a
+   block id. Split-KV: positions `< end` keep a split from counting the next split's tokens;
+   `l_safe` keeps an empty split from writing NaN; the real-heads store mask keeps the 13 padded rows
+   from overwriting other heads' partials. Stage 2: rows past `n_splits` get lse `-inf` and output 0.
+   Prefill: rows `< T`, keys `< hi` and the causal mask (no key after the row's own position). Removed
+   one at a time, each shows up in the check as a large difference or NaN, or as memory written where
+   it must not be (some only on the cases that exercise them: a partly full block, MQA, an empty split).
+3. v2: one program per (sequence, KV head): `8 x 3 = 24`. Split-KV: `choose_split_len(8, 3, 8192, 132)`
+   asks for `ceil(2 x 132 / 24) = 11` splits, `8192 // 11 = 744`, rounded down to 640 tokens, so 13
+   splits: `24 x 13 = 312` stage-1 programs, then `8 x 9 = 72` stage-2 programs. From above: a split
+   must be at least a tile (the launcher never goes below 128 tokens); every split writes a partial
+   output and lse per head that stage 2 must read and merge; shorter splits mean shorter loops, less
+   latency hidden per program and more fixed cost per token (loading q, storing the part); and once
+   every SM has a few programs, more splits add no parallelism.
+""", rubric=r"""
+- 0.25: question 1: 3x fewer key/value bytes (the group size).
+- 0.5: question 2: at least four masks named with what each protects (stale or NaN slots, padded heads
+  or rows, padding slots, block-table padding, split boundaries or empty splits, causal/`hi` in
+  prefill), and what removing them did in the check (or would do).
+- 0.25: question 3: 24 programs for v2, 312 (+72 merge) for split-KV, or the student's count with
+  the launcher's arithmetic shown; one valid upper limit on splits.
+"""),
+md(r"""
 4. Why does the merge weight split `i` by `exp(lse_i - max lse)` and not by `exp(lse_i)`? What would an
    fp32 kernel compute for scores around 150?
 5. The split-KV kernel computes 16 rows of `tl.dot` for SmolLM2's 3 query heads. Why does that waste
    cost (almost) nothing in decode, and would it in prefill?
+"""),
+answer("merge_padding_answer", 1, "questions 4 and 5", model=r"""
+4. The weights are a softmax over the lse's: `exp(lse_i) / sum_k exp(lse_k)`. Multiplying every term by
+   `exp(-max lse)` changes nothing mathematically, and keeps every exponent at or below 0, so the largest
+   weight is 1 and nothing overflows. In fp32 `exp(x)` overflows to `inf` above about 88.7. With scores
+   around 150, each `lse_i` is about `150 + log(split_len)`, so every `exp(lse_i)` is `inf` and the
+   merge computes `inf / inf` = NaN for every output.
+5. Decode is memory-bound: its intensity is about 3 FLOPs per byte, against a ridge of hundreds, so
+   the tensor cores wait for keys most of the time. One `mma` instruction covers 16 rows anyway, so the
+   13 zero rows add no instruction and no memory traffic (their loads are masked, their stores
+   skipped); they cost registers, a little occupancy. Prefill is compute-bound: its tiles have 64 or
+   128 real query rows and no padding; padding them would waste tensor-core time in proportion, and
+   the time is the tensor cores' there.
+""", rubric=r"""
+- 0.5: question 4: subtracting the max keeps exponents <= 0 (same softmax); scores around 150 overflow
+  fp32 exp (limit about 88), giving inf / inf = NaN.
+- 0.5: question 5: decode is memory-bound (spare arithmetic; the mma's 16-row minimum; no extra bytes);
+  in prefill the arithmetic is the limit, so wasted rows would cost time (prefill tiles are full anyway).
+"""),
+md(r"""
 6. Estimate the arithmetic intensity of the prefill at 4k tokens (FLOPs over the bytes of Q, K, V and the
    output) and compare it with your GPU's ridge point from lab 02. Which roofline applies?
 7. At `start = 0`, what fraction of the key tiles does the causal stop at `hi` skip? And for a chunk of
    512 queries after 3,584 cached tokens?
+"""),
+answer("prefill_roofline_answer", 1, "questions 6 and 7", model=r"""
+6. Per layer, `T = 4,096`, bf16: FLOPs `4 x D x H x T (T + 1) / 2 = 4 x 64 x 9 x 4,096 x 4,097 / 2` = 19.3
+   GFLOP. Bytes: Q and the output `T x 9 x 64 x 2` = 4.7 MB each, K and V `T x 3 x 64 x 2` = 1.6 MB each,
+   12.6 MB in all. Intensity: about 1,540 FLOPs per byte. An H100's bf16 ridge is about 295 FLOP/byte
+   (989 TFLOP/s over 3.35 TB/s), an A100's about 150: the prefill sits five to ten times past the ridge,
+   so the **compute** roofline applies (judge it in TFLOP/s against the tensor-core peak, as the
+   benchmark does), the opposite of decode.
+7. At `start = 0`, query tile `j` reads key tiles `0..j` only (with `BLOCK_M = BLOCK_N`), so of `n x n`
+   tile pairs it reads `n (n + 1) / 2`: it skips `(n - 1) / (2n)`, just under half (49% for `n = 64`
+   tiles of 64 at 4k). For 512 queries after 3,584 cached tokens (4,096 keys): every query tile reads
+   all 3,584 cached keys, and only the triangle over the 512 new keys can be skipped: about
+   `512 / (2 x 4,096)` = 6% of the key tiles (28 of 512 tile pairs with tiles of 64, 5.5%). Chunked
+   prefill after a long past gets almost nothing from the causal stop.
+""", rubric=r"""
+- 0.5: question 6: FLOPs and bytes of the right order (about 19 GFLOP, 12-13 MB per layer, intensity
+  about 1,500), compared with the ridge (a few hundred on a datacenter GPU), and the compute roofline.
+  Counting all 30 layers, or fp32, with consistent arithmetic, is fine.
+- 0.5: question 7: about half skipped at start = 0; about 5-6% for the chunk after 3,584 cached tokens.
+"""),
+md(r"""
 
 ## Going further
 

@@ -1,7 +1,7 @@
 """Lab 06, Problem 6: a FlashAttention-style causal prefill kernel over the paged cache (also for a chunk
 of queries after cached tokens); then the compile check of every kernel for sm_75, sm_80 and sm_90."""
 from autograder.authoring import code, locked, md, solution, tests
-from autograder.lab_builders.lab06_refs import HIDDEN_ATTENTION, HIDDEN_CAUSAL
+from autograder.lab_builders.lab06_refs import HIDDEN_ATTENTION, HIDDEN_CAUSAL, HIDDEN_TTIR
 
 CELLS = [
 md(r"""
@@ -51,7 +51,8 @@ given. The program:
 
 Every real row sees key 0 in the first tile, so its running maximum is finite after it: a later tile
 whose keys are all in the row's future adds `exp(-inf) = 0`, not NaN. Rows past `T` compute garbage
-that is never stored.
+that is never stored. As for Problem 4, the tests also run the path a GPU takes (`DOT_F32=False`,
+fp16), bf16 in the interpreter, and read the `tl.dot`s of your kernel compiled for an A100.
 
 **Deliverable:** the body of `paged_prefill_kernel`; `paged_prefill` (given) launches it, with
 `BLOCK_M`, `BLOCK_N`, `num_warps` and `num_stages` autotuned on a GPU for long prompts.
@@ -146,11 +147,11 @@ def causal_reference(q, k_cache, v_cache, block_table, context_len, scale):
     seen = torch.arange(context_len, device=q.device)[None, :] <= torch.arange(context_len - T, context_len, device=q.device)[:, None]
     return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=seen, scale=scale).transpose(0, 1)   # (T, H, D)
 '''),
-code(r'''
-_, k_cache, v_cache, tables, _ = paged_case([45], H=9, Hkv=3, D=16, block_size=8, seed=1)
-q = torch.randn(20, 9, 16, generator=torch.Generator().manual_seed(0)).to(dev)   # the last 20 of 45 tokens
-diff = (paged_prefill(q, k_cache, v_cache, tables[0], 45, 0.25) - causal_reference(q, k_cache, v_cache, tables[0], 45, 0.25)).abs().max().item()
-print(f"a chunk of 20 queries after 25 cached tokens: max |diff| = {diff:.1e} from SDPA")
+locked("paged_prefill_build", r'''
+# Given: your kernel compiled for an A100 and an H100 (bf16, DOT_F32=False as on a GPU) in the background; the
+# tests wait for the compiler
+paged_prefill_build = gpu_compile(paged_prefill_kernel, dict(H=9, H_KV=3, BLOCK_SIZE=16, D=32, BLOCK_M=32, BLOCK_N=32,
+                                                             DOT_F32=False))
 '''),
 tests("paged_prefill_tests", 5, r"""
 from course.expect import expect_tensor
@@ -164,15 +165,16 @@ for L, T, H, Hkv, bs in ((37, 37, 4, 2, 4), (45, 20, 9, 3, 8), (16, 1, 4, 4, 4))
     diff = (out - causal_reference(q, k_cache, v_cache, tables[0], L, 0.25)).abs().max().item()
     assert diff < 1e-4, f"T={T} queries after {L - T} cached tokens, H={H}, Hkv={Hkv}: max |diff| {diff:.1e} from SDPA " \
                         "(the causal mask kpos <= start + i, the stop at hi, the KV head of a query head)"
+prefill_compiled = gpu_compiled(paged_prefill_build, "paged_prefill_kernel")   # waits for the compiler started above
 ### BEGIN HIDDEN TESTS
-""" + HIDDEN_ATTENTION + "\n" + HIDDEN_CAUSAL + r"""
+""" + HIDDEN_ATTENTION + "\n" + HIDDEN_CAUSAL + "\n" + HIDDEN_TTIR + r"""
 cases = [(1, 1, 4, 1, 4, torch.float32),      # one token
          (8, 8, 4, 4, 4, torch.float32),      # exact blocks, MHA
          (50, 17, 6, 3, 4, torch.float32),    # a chunk ending inside a block, T not a multiple of the tile
          (33, 33, 8, 1, 16, torch.float16),   # MQA, fp16, a context one past a block
          (40, 24, 9, 3, 8, torch.float16),    # the chunk starts on a block boundary (16 cached), GQA 9/3
          (24, 2, 4, 2, 2, torch.float32)]     # two queries after 22 cached tokens
-if env.gpu and env.dtype == torch.bfloat16:                  # a GPU with bf16 (not a T4)
+if not env.gpu or env.dtype == torch.bfloat16:               # the interpreter (DOT_F32=True), or a GPU with bf16 (not a T4)
     cases.append((70, 40, 9, 3, 16, torch.bfloat16))
 for L, T, H, Hkv, bs, dtype in cases:
     _, kcache, vcache, bt, _, ks, vs = _paged_case([L], H, Hkv, 16, bs, dtype, seed=L + T, pad_width=1)
@@ -184,10 +186,39 @@ for L, T, H, Hkv, bs, dtype in cases:
     assert big[T:].isnan().all(), f"{what}: rows past T were stored"
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 5e-2}[dtype]
     err = (out.cpu().double() - _causal_ref(q, ks[0], vs[0], 0.25)).abs().max().item()
-    assert err < tol, f"{what}: max |diff| {err:.1e} from causal attention (the chunk's offset, the causal mask, " \
-                      "the keys up to hi, the GQA head mapping)"
+    assert err < tol, f"{what}: max |diff| {err:.1e} from causal attention " + (
+        "(the fp32 and fp16 cases passed: in the interpreter bf16 arithmetic, tl.dot included, is garbage, so the launcher "
+        "passes DOT_F32=True here: convert q to float32 if DOT_F32, then load keys and values .to(q.dtype))"
+        if dtype == torch.bfloat16 and not env.gpu else "(the chunk's offset, the causal mask, the keys up to hi, the GQA head mapping)")
+# the path a GPU takes, called as the launcher calls it there: DOT_F32=False, so q, the tiles and p stay fp16
+_, kcache, vcache, bt, _, ks, vs = _paged_case([40], 9, 3, 16, 8, torch.float16, seed=22)
+q = torch.randn(24, 9, 16, generator=torch.Generator().manual_seed(22), device="cpu").to(torch.float16).to(dev)
+big = torch.full((24 + 16, 9, 16), float("nan"), dtype=torch.float16, device=dev)
+what = "prefill with DOT_F32=False (what a GPU runs), fp16, T=24 after 16 cached, H=9, Hkv=3"
+try:
+    paged_prefill_kernel[(2, 9)](big, q, kcache, vcache, bt[0], 0.25, 24, 40, H=9, H_KV=3, BLOCK_SIZE=8, D=16,
+                                 BLOCK_M=16, BLOCK_N=16, DOT_F32=False)
+except Exception as error:
+    raise AssertionError(f"{what} fails: {type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}. With DOT_F32 "
+                         "False, q stays fp16: load keys and values .to(q.dtype), and give tl.dot p.to(q.dtype)") from None
+err = (big[:24].cpu().double() - _causal_ref(q, ks[0], vs[0], 0.25)).abs().max().item()
+assert err < 4e-3, f"{what}: max |diff| {err:.1e} from causal attention (with DOT_F32 True it was right: what changes is " \
+                   "only the dtype of q, of the key and value tiles, and of p)"
+_f32 = [pair for pair in _tt_dots(prefill_compiled[0]["ttir"]) if "f32" in pair]
+assert not _f32, f"compiled for an A100 in bf16 with DOT_F32=False, your tl.dot multiplies float32 tiles {_f32}: on a GPU " \
+    "that means no tensor cores (an A100 multiplies bf16 tiles at 312 TFLOP/s on them, float32 at 19.5 without). " \
+    "Convert q to float32 only if DOT_F32, and load keys and values .to(q.dtype)"
 ### END HIDDEN TESTS
 """),
+md(r"""
+Your kernel on a chunk of 20 queries after 25 cached tokens, next to SDPA:
+"""),
+code(r'''
+_, k_cache, v_cache, tables, _ = paged_case([45], H=9, Hkv=3, D=16, block_size=8, seed=1)
+q = torch.randn(20, 9, 16, generator=torch.Generator().manual_seed(0)).to(dev)   # the last 20 of 45 tokens
+diff = (paged_prefill(q, k_cache, v_cache, tables[0], 45, 0.25) - causal_reference(q, k_cache, v_cache, tables[0], 45, 0.25)).abs().max().item()
+print(f"a chunk of 20 queries after 25 cached tokens: max |diff| = {diff:.1e} from SDPA")
+'''),
 md(r"""
 ### Will it compile for a GPU?
 
@@ -200,7 +231,7 @@ shared memory a program takes (a T4 gives a program at most 64 KB). sm_75 is a T
 bf16), sm_80 an A100, sm_90 an H100. Each compilation takes a few seconds.
 """),
 code(r"""
-from course.kernels import compile_report, kernel_source
+from course.kernels import compile_error_summary, compile_report, kernel_source
 
 def signature(kernel, dtype):
     p, f32 = f"*{dtype}", "*fp32"
@@ -243,7 +274,7 @@ else:
         print(f"{name_of(k):<28}" + "".join(f"{c:>36}" for c in cells))
     for (name, _, _, arch, _), r in zip(jobs, report):
         if r["error"]:
-            print(f"\n{name} for sm_{arch}:\n{r['error']}")
+            print(f"\n{name} for sm_{arch}: {compile_error_summary(r['error'])}\n{r['error']}")
 """),
 md(r"""
 Read your table (each cell: tensor-core instructions, asynchronous copies, shared memory per

@@ -1,7 +1,7 @@
 """Lab 06, Problems 4 and 5: split-KV decode attention (Flash-Decoding): stage 1 with tl.dot over a GQA
 group's padded rows, stage 2 the log-sum-exp merge; then the check table of every decode version."""
 from autograder.authoring import code, locked, md, solution, tests
-from autograder.lab_builders.lab06_refs import HIDDEN_ATTENTION, HIDDEN_SPLIT
+from autograder.lab_builders.lab06_refs import HIDDEN_ATTENTION, HIDDEN_SPLIT, HIDDEN_TTIR
 
 CELLS = [
 md(r"""
@@ -121,6 +121,12 @@ iteration, for the `GROUP` query heads of `kv_head`. Step by step:
 4. store `o` (float32) at row `(seq * H + head) * n_splits + split` of `part_out` (rows of `D`) and `lse` at the
    same index of `part_lse`, **for the real heads only**: the padded rows would land on another KV
    head's queries, or past the end of the buffers.
+
+On a GPU the launcher passes `DOT_F32=False`: then `q`, the key and value tiles and `p` stay in the
+input's 16-bit dtype, so that tensor cores multiply them (`tl.dot` still adds up in float32). The tests
+take that path too (fp16 in the interpreter, whose fp16 `tl.dot` adds up in float32 as a GPU does),
+run bf16 with `DOT_F32=True` (only the conversion saves the interpreter's bf16 arithmetic), and read
+the `tl.dot`s of your kernel compiled for an A100.
 
 **Deliverable:** the body of `paged_decode_split_kernel`; `split_stage1` (given) launches it and picks
 `split_len`; on a GPU it autotunes `TILE`, `num_warps` and `num_stages` for long contexts. (The two
@@ -254,12 +260,11 @@ def split_stage1(q, k_cache, v_cache, block_tables, context_lens, scale, split_l
                                DOT_F32=not q.is_cuda, USE_PDL=PDL if pdl is None else pdl, **meta)
     return part_out, part_lse
 '''),
-code(r'''
-part_out, part_lse = split_stage1(*case, 0.25, split_len=8)
-ref_out, ref_lse = split_reference(*case, 0.25, split_len=8)
-print("lse, sequence 0 (5 tokens), query head 0:", [round(x, 3) for x in part_lse[0, 0].tolist()])
-print("reference                               :", [round(x, 3) for x in ref_lse[0, 0].tolist()])
-print(f"max |diff| of the partial outputs: {(part_out - ref_out).abs().max().item():.1e}")
+locked("paged_decode_split_build", r'''
+# Given: your kernel compiled for an A100 and an H100 (bf16, DOT_F32=False as on a GPU) in the background; the
+# tests wait for the compiler
+paged_decode_split_build = gpu_compile(paged_decode_split_kernel, dict(H=9, H_KV=3, GROUP=3, GROUP_PAD=16, BLOCK_SIZE=16,
+                                                                     D=32, TILE=32, DOT_F32=False, USE_PDL=False))
 '''),
 tests("paged_decode_split_tests", 5, r"""
 from course.expect import expect_tensor
@@ -287,14 +292,15 @@ def _check_partials(case, split_len, what, tol=1e-4):
 
 _check_partials(paged_case([5, 8, 1, 30], H=9, Hkv=3, D=16, block_size=4, seed=7), 8, "GQA 9/3, splits of 8 tokens")
 _check_partials(paged_case([3, 17], H=4, Hkv=4, D=16, block_size=4, seed=2), 4, "MHA, a split of one block")
+split_compiled = gpu_compiled(paged_decode_split_build, "stage 1 (paged_decode_split_kernel)")   # waits for the compiler
 ### BEGIN HIDDEN TESTS
-""" + HIDDEN_ATTENTION + "\n" + HIDDEN_SPLIT + r"""
+""" + HIDDEN_ATTENTION + "\n" + HIDDEN_SPLIT + "\n" + HIDDEN_TTIR + r"""
 cases = [(9, 3, 4, 4, torch.float32, [1, 5, 13, 22]),     # a split of one block; contexts ending inside a block
          (8, 1, 8, 3, torch.float16, [2, 8, 25]),         # MQA: a group of 8; splits of 3 tokens, inside blocks and tiles
          (4, 4, 2, 40, torch.float32, [3, 17]),           # MHA (GROUP_PAD 16 for 1 head); one split longer than any context
          (32, 2, 4, 20, torch.float32, [9, 21]),          # a group of 16 rows, no padding; a split that is not whole blocks
          (6, 3, 16, 16, torch.float16, [16, 32, 33])]     # exact block multiples; 3 splits, the last with 1 token
-if env.gpu and env.dtype == torch.bfloat16:                  # a GPU with bf16 (not a T4)
+if not env.gpu or env.dtype == torch.bfloat16:               # the interpreter (DOT_F32=True), or a GPU with bf16 (not a T4)
     cases.append((9, 3, 16, 32, torch.bfloat16, [1, 40, 100]))
 for H, Hkv, bs, split_len, dtype, lens in cases:
     q, kcache, vcache, bt, cl, ks, vs = _paged_case(lens, H, Hkv, 16, bs, dtype, seed=H + bs)
@@ -314,9 +320,47 @@ for H, Hkv, bs, split_len, dtype, lens in cases:
         f"{what}: empty splits (more splits than the sequence has tokens) must write zeros and -inf, no NaN"
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 5e-2}[dtype]
     err = max((lse[~empty] - ref_lse[~empty]).abs().max().item(), (o - ref_o).abs().max().item())
-    assert err < tol, f"{what}: max |diff| {err:.1e} from the per-split attention (split boundaries, masks, GQA rows)"
+    assert err < tol, f"{what}: max |diff| {err:.1e} from the per-split attention " + (
+        "(the fp32 and fp16 cases passed: in the interpreter bf16 arithmetic, tl.dot included, is garbage, so the launcher "
+        "passes DOT_F32=True here: convert q to float32 if DOT_F32, then load keys and values .to(q.dtype))"
+        if dtype == torch.bfloat16 and not env.gpu else "(split boundaries, masks, GQA rows)")
+# the path a GPU takes, called as the launcher calls it there: DOT_F32=False, so q, the tiles and p stay fp16 and
+# tl.dot multiplies fp16 tiles (adding up in float32, in the interpreter as on a GPU)
+q, kcache, vcache, bt, cl, ks, vs = _paged_case([3, 17, 30], 8, 2, 16, 4, torch.float16, seed=21)
+n_splits = -(-bt.shape[1] * 4 // 8)
+o = torch.full((5, 8, n_splits, 16), float("nan"), device=dev)          # 2 sequences of room for padded rows
+lse = torch.full((5, 8, n_splits), float("nan"), device=dev)
+what = "stage 1 with DOT_F32=False (what a GPU runs), fp16, H=8, Hkv=2, splits of 8 tokens"
+try:
+    paged_decode_split_kernel[(3, 2, n_splits)](o, lse, q, kcache, vcache, bt, cl, 0.25, bt.shape[1], 8, n_splits, H=8, H_KV=2,
+                                                GROUP=4, GROUP_PAD=16, BLOCK_SIZE=4, D=16, TILE=16, DOT_F32=False, USE_PDL=False)
+except Exception as error:
+    raise AssertionError(f"{what} fails: {type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}. With DOT_F32 "
+                         "False, q stays fp16: load keys and values .to(q.dtype), and give tl.dot p.to(q.dtype)") from None
+ref_o, ref_lse = _split_ref(q, ks, vs, 0.25, 8, n_splits)
+o, lse = o[:3].cpu().double(), lse[:3].cpu().double()
+empty = torch.isinf(ref_lse)
+err = max((lse[~empty] - ref_lse[~empty]).abs().max().item(), (o - ref_o).abs().max().item())
+assert err < 4e-3 and (lse[empty] == float("-inf")).all() and (o[empty] == 0).all(), \
+    f"{what}: max |diff| {err:.1e} from the per-split attention (with DOT_F32 True it was right: what changes is only " \
+    "the dtype of q, of the key and value tiles, and of p)"
+_f32 = [pair for pair in _tt_dots(split_compiled[0]["ttir"]) if "f32" in pair]
+assert not _f32, f"compiled for an A100 in bf16 with DOT_F32=False, your tl.dot multiplies float32 tiles {_f32}: on a GPU " \
+    "that means no tensor cores (an A100 multiplies bf16 tiles at 312 TFLOP/s on them, float32 at 19.5 without). " \
+    "Convert q to float32 only if DOT_F32, and load keys and values .to(q.dtype)"
 ### END HIDDEN TESTS
 """),
+md(r"""
+What your stage 1 wrote for the first case of the tests (splits of 8 tokens), next to the reference:
+"""),
+code(r'''
+case = paged_case([5, 8, 1, 30], H=9, Hkv=3, D=16, block_size=4, seed=7)
+part_out, part_lse = split_stage1(*case, 0.25, split_len=8)
+ref_out, ref_lse = split_reference(*case, 0.25, split_len=8)
+print("lse, sequence 0 (5 tokens), query head 0:", [round(x, 3) for x in part_lse[0, 0].tolist()])
+print("reference                               :", [round(x, 3) for x in ref_lse[0, 0].tolist()])
+print(f"max |diff| of the partial outputs: {(part_out - ref_out).abs().max().item():.1e}")
+'''),
 md(r"""
 ## Problem 5: Split-KV decode, stage 2: merge the splits (2 points)
 
@@ -385,6 +429,10 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, scale
     part_out, part_lse = split_stage1(q, k_cache, v_cache, block_tables, context_lens, scale, split_len, pdl=pdl)
     return split_stage2(part_out, part_lse, torch.empty_like(q), pdl=pdl)
 '''),
+locked("split_reduce_build", r'''
+# Given: your kernel compiled for an A100 and an H100 (bf16 output) in the background; the tests wait for the compiler
+split_reduce_build = gpu_compile(split_reduce_kernel, dict(H=9, D=32, SPLITS_PAD=4, USE_PDL=False))
+'''),
 tests("split_reduce_tests", 2, r"""
 from course.expect import expect_tensor
 for lens, split_len in (([5, 8, 1, 30], 8), ([7, 2], 3)):            # 4 splits; 3 splits in a tile of 4 rows
@@ -393,13 +441,21 @@ for lens, split_len in (([5, 8, 1, 30], 8), ([7, 2], 3)):            # 4 splits;
     out = expect_tensor(split_stage2(part_out, part_lse, torch.full_like(case[0], float("nan"))), "split_stage2(...)",
                         dtype=torch.float32, shape=(len(lens), 9, 16), device=dev)
     diff = (out - paged_attention(*case, 0.25)).abs().max().item()
-    assert diff < 1e-4, f"lengths {lens}, splits of {split_len}: max |diff| {diff:.1e} from paged_attention (NaN: an " \
-                        "empty split's -inf not handled, or rows past n_splits not masked)"
+    hint = ("NaN: load the rows past n_splits masked (lse other=float('-inf'), o other=0.0), and subtract the largest lse "
+            "before exp (it is finite: split 0 always has tokens), so that an empty split weighs exp(-inf) = 0"
+            if out.isnan().any() else
+            "each split weighs w = exp(lse - max lse), out = sum(w * o) / sum(w); the rows past n_splits must weigh "
+            "nothing: load their lse as -inf (other=float('-inf')) and their o as 0")
+    assert diff < 1e-4, f"lengths {lens}, {part_lse.shape[-1]} splits of {split_len} tokens: max |diff| {diff:.1e} " \
+                        f"from paged_attention: {hint}"
+merge_compiled = gpu_compiled(split_reduce_build, "stage 2 (split_reduce_kernel)")   # waits for the compiler started above
 ### BEGIN HIDDEN TESTS
 g = torch.Generator().manual_seed(11)
-for B, H, S, D, dtype, shift in ((2, 3, 3, 16, torch.float32, 150.0), (3, 2, 5, 32, torch.float16, 0.0),
-                                 (1, 4, 1, 16, torch.float32, 0.0), (2, 2, 8, 16, torch.float32, 150.0),
-                                 (2, 3, 6, 16, torch.float32, 0.0)):
+merge_cases = [(2, 3, 3, 16, torch.float32, 150.0), (3, 2, 5, 32, torch.float16, 0.0), (1, 4, 1, 16, torch.float32, 0.0),
+               (2, 2, 8, 16, torch.float32, 150.0), (2, 3, 6, 16, torch.float32, 0.0), (2, 3, 4, 16, torch.float16, 150.0)]
+if not env.gpu or env.dtype == torch.bfloat16:               # the interpreter, or a GPU with bf16 (not a T4)
+    merge_cases.append((2, 3, 5, 16, torch.bfloat16, 150.0))
+for B, H, S, D, dtype, shift in merge_cases:
     o = torch.randn(B, H, S, D, generator=g, dtype=torch.float64, device="cpu")
     lse = torch.randn(B, H, S, generator=g, dtype=torch.float64, device="cpu") * 3 + shift   # exp(150) overflows float32
     if S > 1:
@@ -410,9 +466,9 @@ for B, H, S, D, dtype, shift in ((2, 3, 3, 16, torch.float32, 150.0), (3, 2, 5, 
     got = expect_tensor(split_stage2(part_out, part_lse, torch.full((B, H, D), float("nan"), dtype=dtype, device=dev)),
                         f"split_stage2 ({dtype}, {S} splits)", dtype=dtype, shape=(B, H, D), device=dev)
     err = (got.cpu().double() - want).abs().max().item()
-    tol = 1e-4 if dtype == torch.float32 else 4e-3
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 5e-2}[dtype]       # 2 to 4 half-ulps of |out| < 4
     assert err < tol, f"B={B}, H={H}, {S} splits, lse around {shift:g}, {dtype}: max |diff| {err:.1e} from the merge (subtract the largest lse " \
-                      "before exp; weight 0 for -inf; mask the rows past n_splits; store in out's dtype)"
+                      "before exp; weight 0 for -inf; mask the rows past n_splits; compute in float32, store in out's dtype)"
 ### END HIDDEN TESTS
 """),
 md(r"""

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m autograder.lab_builders.lab07
 """
-from autograder.authoring import code, locked, md, solution, tests, write_notebook  # noqa: E402
+from autograder.authoring import answer, code, locked, md, solution, tests, write_notebook  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
 
 # The independent reference of the hidden tests: the kept set and final probabilities of one row,
@@ -81,9 +81,10 @@ most likely one it finds.
 - write beam search with a length penalty whose output equals Hugging Face `generate(num_beams=...)` on the real model;
 - explore the next-token distribution in a widget, and measure repetition and diversity of greedy, beam and sampled text, and what temperature does.
 
-**Time:** about 3 hours: 35 minutes of reading, seven problems (temperature, top-k, top-p and min-p
-10-15 minutes each, the batched sampler and seeded generation about 45 minutes together, beam search
-about 50), and 2-3 minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
+**Time:** about 3 hours 25 minutes: 35 minutes of reading, seven problems (temperature, top-k, top-p
+and min-p 10-15 minutes each, the batched sampler and seeded generation about 45 minutes together,
+beam search about 50), 25 minutes for the written questions at the end, and 2-3 minutes of running
+on a laptop CPU. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
 used when there is one.
 """),
 locked("colab_install", COLAB_INSTALL),
@@ -204,6 +205,11 @@ setting per row, a `(B,)` tensor. They are **logits processors**: logits in, log
 `(B,)` and returns new logits `(B, V)`: row `b` divided by `temperature[b]`, except rows whose
 temperature is 0, which are returned unchanged (they are greedy: the sampler takes their argmax).
 It raises `ValueError` if a temperature is negative, and never modifies its input.
+
+**Grading.** The tests of Problems 1-5 check many independent settings (a temperature, a `k`, a `p`, a
+`min_p`, one request's parameters in a batch). Each setting is a *case* worth its share of the
+problem's points: a mistake that breaks some settings costs only their share, and the feedback lists
+the cases you lost. Problems 6 and 7 test one property each, all or nothing.
 """),
 solution("temperature", r'''
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -217,40 +223,56 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     ### END SOLUTION
 '''),
 tests("temperature_tests", 2, r"""
-from course.expect import expect_tensor
+from course.expect import Cases, expect_tensor
 
 def tempered(z, t):
     '''Your apply_temperature, its answer checked first: new (B, V) logits of z's dtype, on z's device.'''
     return expect_tensor(apply_temperature(z, t), f"apply_temperature(logits, {[round(v, 4) for v in t.tolist()]})", dtype=z.dtype,
                          shape=tuple(z.shape), device=dev)
 
+cases = Cases(points=2)        # partial credit: each case below is worth its share of the points
 z = torch.tensor([[1.0, 2.0, 4.0], [1.0, 2.0, 4.0], [0.0, -3.0, 3.0]], device=dev)
-out = tempered(z, torch.tensor([0.5, 2.0, 0.0], device=dev))
-assert torch.allclose(out[0], torch.tensor([2.0, 4.0, 8.0], device=dev)), "row 0 at temperature 0.5: every logit doubles"
-assert torch.allclose(out[1], torch.tensor([0.5, 1.0, 2.0], device=dev)), "row 1 at temperature 2: every logit halves"
-assert torch.equal(out[2], z[2]), "temperature 0 means greedy: the row stays as it is (no division by 0)"
-assert torch.equal(z[0], torch.tensor([1.0, 2.0, 4.0], device=dev)), "do not modify the input logits"
+t = torch.tensor([0.5, 2.0, 0.0], device=dev)
+with cases("temperature 0.5"):
+    assert torch.allclose(tempered(z.clone(), t)[0], torch.tensor([2.0, 4.0, 8.0], device=dev)), \
+        "row 0 at temperature 0.5: every logit doubles"
+with cases("temperature 2"):
+    assert torch.allclose(tempered(z.clone(), t)[1], torch.tensor([0.5, 1.0, 2.0], device=dev)), \
+        "row 1 at temperature 2: every logit halves"
+with cases("temperature 0 (greedy)"):
+    assert torch.equal(tempered(z.clone(), t)[2], z[2]), "temperature 0 means greedy: the row stays as it is (no division by 0)"
+with cases("the input is left alone"):
+    given = z.clone()
+    tempered(given, t)
+    assert torch.equal(given, z), "do not modify the input logits"
 ### BEGIN HIDDEN TESTS
 g = torch.Generator().manual_seed(1)                         # test data drawn on the CPU: the same numbers on every device
-z = torch.randn(6, 50, generator=g).to(dev) * 4
-t = torch.tensor([0.3, 1.0, 0.0, 1.7, 0.0, 2.5], device=dev)
-keep = z.clone()
-got = tempered(z, t)
-assert torch.equal(z, keep), "apply_temperature must not modify its input"
+Z = torch.randn(6, 50, generator=g).to(dev) * 4
+T = torch.tensor([0.3, 1.0, 0.0, 1.7, 0.0, 2.5], device=dev)
 for b in range(6):
-    want = z[b] if t[b] == 0 else z[b] / t[b]
-    assert torch.allclose(got[b], want, atol=1e-6), f"row {b}, temperature {t[b].item()}: wrong logits"
-assert torch.isfinite(got).all(), "no inf or nan: temperature-0 rows must not be divided by 0"
-p_cold = torch.softmax(tempered(z[:1], torch.tensor([0.2], device=dev)), -1)
-p_hot = torch.softmax(tempered(z[:1], torch.tensor([5.0], device=dev)), -1)
-assert p_cold.max() > torch.softmax(z[:1], -1).max() > p_hot.max(), "a low temperature sharpens, a high one flattens"
-try:
-    apply_temperature(z[:2], torch.tensor([1.0, -0.5], device=dev))
-except ValueError:
-    pass
-else:
-    raise AssertionError("a negative temperature must raise ValueError")
+    with cases(f"row {b} of a batch, temperature {T[b].item():g}"):
+        got = tempered(Z.clone(), T)
+        want = Z[b] if T[b] == 0 else Z[b] / T[b]
+        assert torch.isfinite(got[b]).all(), f"row {b}, temperature {T[b].item():g}: no inf or nan (a temperature-0 row is not divided)"
+        assert torch.allclose(got[b], want, atol=1e-6), \
+            f"row {b}, temperature {T[b].item():g}: wrong logits (row b is divided by temperature[b]; a temperature-0 row stays)"
+with cases("a batch: the input is left alone"):
+    given = Z.clone()
+    tempered(given, T)
+    assert torch.equal(given, Z), "apply_temperature must not modify its input"
+with cases("low temperature sharpens, high flattens"):
+    p_cold = torch.softmax(tempered(Z[:1].clone(), torch.tensor([0.2], device=dev)), -1)
+    p_hot = torch.softmax(tempered(Z[:1].clone(), torch.tensor([5.0], device=dev)), -1)
+    assert p_cold.max() > torch.softmax(Z[:1], -1).max() > p_hot.max(), "a low temperature sharpens, a high one flattens"
+with cases("a negative temperature"):
+    try:
+        tempered(Z[:2].clone(), torch.tensor([1.0, -0.5], device=dev))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a negative temperature must raise ValueError")
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ## 3. Truncation: top-k, top-p, min-p
@@ -304,44 +326,58 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     ### END SOLUTION
 '''),
 tests("top_k_tests", 3, r"""
-from course.expect import expect_tensor
+from course.expect import Cases, expect_tensor
 
 def top_k_of(z, k):
     '''Your apply_top_k, its answer checked first: new (B, V) logits of z's dtype, on z's device.'''
     return expect_tensor(apply_top_k(z, k), f"apply_top_k(logits, {k.tolist()})", dtype=z.dtype, shape=tuple(z.shape),
                          device=dev)
 
+cases = Cases(points=3)        # partial credit: each case below is worth its share of the points
 z = torch.tensor([[3.0, 1.0, 2.0, 0.5], [3.0, 1.0, 2.0, 0.5]], device=dev)
-out = top_k_of(z, torch.tensor([2, 0], device=dev))
-assert torch.isinf(out[0]).tolist() == [False, True, False, True], "top_k=2 keeps the two largest logits (3.0 and 2.0)"
-assert torch.equal(out[0, [0, 2]], z[0, [0, 2]]), "kept logits stay unchanged"
-assert torch.equal(out[1], z[1]), "top_k=0 means off: the row is unchanged"
-tied = top_k_of(torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0]], device=dev), torch.tensor([2], device=dev))
-assert torch.isinf(tied[0]).tolist() == [True, False, False, False, True], \
-    "ties: every token equal to the k-th largest logit survives (here three tokens tie at 2.0)"
+k = torch.tensor([2, 0], device=dev)
+with cases("top_k=2"):
+    out = top_k_of(z.clone(), k)
+    assert torch.isinf(out[0]).tolist() == [False, True, False, True], "top_k=2 keeps the two largest logits (3.0 and 2.0)"
+    assert torch.equal(out[0, [0, 2]], z[0, [0, 2]]), "kept logits stay unchanged"
+with cases("top_k=0 (off)"):
+    assert torch.equal(top_k_of(z.clone(), k)[1], z[1]), "top_k=0 means off: the row is unchanged"
+with cases("ties with the k-th largest"):
+    tied = top_k_of(torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0]], device=dev), torch.tensor([2], device=dev))
+    assert torch.isinf(tied[0]).tolist() == [True, False, False, False, True], \
+        "ties: every token equal to the k-th largest logit survives (here three tokens tie at 2.0)"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_REFERENCE + r"""
 g = torch.Generator().manual_seed(2)                         # test data drawn on the CPU: the same numbers on every device
-z = torch.randn(5, 40, generator=g).to(dev) * 3
-keep = z.clone()
+Z = torch.randn(5, 40, generator=g).to(dev) * 3
 ks = torch.tensor([1, 7, 0, 40, 55], device=dev)
-got = top_k_of(z, ks)
-assert torch.equal(z, keep), "apply_top_k must not modify its input"
-for b, k in enumerate(ks.tolist()):
-    want = set(range(40)) if k <= 0 or k >= 40 else set(torch.argsort(z[b], descending=True)[:k].tolist())
-    assert _kept(got[b]) == want, f"row {b}, top_k={k}: wrong survivors"
-    assert torch.equal(got[b][list(want)], z[b][list(want)]), "kept logits must stay unchanged"
+for b, kb in enumerate(ks.tolist()):
+    with cases(f"row {b} of a batch, top_k={kb}" + (" (off: k >= V)" if kb >= 40 else " (off)" if kb == 0 else "")):
+        got = top_k_of(Z.clone(), ks)
+        want = set(range(40)) if kb <= 0 or kb >= 40 else set(torch.argsort(Z[b], descending=True)[:kb].tolist())
+        assert _kept(got[b]) == want, (f"row {b}, top_k={kb}: wrong survivors: you keep {len(_kept(got[b]))} tokens"
+                                       + ("; k = 0 or k >= V means off" if kb == 0 or kb >= 40 else "; keep the k largest logits of row b"))
+        assert torch.equal(got[b][list(want)], Z[b][list(want)]), "kept logits must stay unchanged"
+with cases("a batch: the input is left alone"):
+    given = Z.clone()
+    top_k_of(given, ks)
+    assert torch.equal(given, Z), "apply_top_k must not modify its input"
 ties = torch.tensor([[5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0], [5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0],
                      [5.0, 1.0, 5.0, 3.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]], device=dev)
-got = top_k_of(ties, torch.tensor([1, 3, 5, 2], device=dev))
-assert _kept(got[0]) == {0, 2}, "top_k=1 with two tokens tied at the top: both survive"
-assert _kept(got[1]) == {0, 2, 3, 4, 5}, "top_k=3: the 3rd largest is 3.0, and every token at 3.0 survives"
-assert _kept(got[2]) == {0, 2, 3, 4, 5}, "top_k=5: exactly the tokens down to the 5th largest"
-assert _kept(got[3]) == set(range(7)), "all logits equal: every token ties with the k-th and survives"
+tie_ks = torch.tensor([1, 3, 5, 2], device=dev)
+for row, want, why in ((0, {0, 2}, "top_k=1 with two tokens tied at the top: both survive"),
+                       (1, {0, 2, 3, 4, 5}, "top_k=3: the 3rd largest is 3.0, and every token at 3.0 survives"),
+                       (2, {0, 2, 3, 4, 5}, "top_k=5: exactly the tokens down to the 5th largest"),
+                       (3, set(range(7)), "all logits equal: every token ties with the k-th and survives")):
+    with cases(f"ties, top_k={tie_ks[row].item()}" + (" (all logits equal)" if row == 3 else "")):
+        assert _kept(top_k_of(ties.clone(), tie_ks)[row]) == want, why
 masked = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf"), 2.0]], device=dev)
-assert _kept(top_k_of(masked, torch.tensor([4], device=dev))) == {0, 2, 4}, "tokens already at -inf stay removed"
-assert _kept(top_k_of(masked, torch.tensor([2], device=dev))) == {2, 4}, "top_k=2 over a row with two tokens at -inf"
+with cases("a row with -inf already, top_k=4"):
+    assert _kept(top_k_of(masked.clone(), torch.tensor([4], device=dev))) == {0, 2, 4}, "tokens already at -inf stay removed"
+with cases("a row with -inf already, top_k=2"):
+    assert _kept(top_k_of(masked.clone(), torch.tensor([2], device=dev))) == {2, 4}, "top_k=2 over a row with two tokens at -inf"
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ## Problem 3: Top-p (3 points)
@@ -369,53 +405,74 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     ### END SOLUTION
 '''),
 tests("top_p_tests", 3, r"""
-from course.expect import expect_tensor
+from course.expect import Cases, expect_tensor
 
 def top_p_of(z, p):
     '''Your apply_top_p, its answer checked first: new (B, V) logits of z's dtype, on z's device.'''
     return expect_tensor(apply_top_p(z, p), f"apply_top_p(logits, {[round(v, 4) for v in p.tolist()]})", dtype=z.dtype, shape=tuple(z.shape),
                          device=dev)
 
+cases = Cases(points=3)        # partial credit: each case below is worth its share of the points
 z = torch.tensor([0.5, 0.3, 0.2], device=dev).log().expand(4, 3)
-out = top_p_of(z, torch.tensor([0.6, 0.45, 0.9, 1.0], device=dev))
-assert torch.isinf(out[0]).tolist() == [False, False, True], \
-    "top_p=0.6 over (0.5, 0.3, 0.2): 0.5 alone is short of 0.6, so the token that crosses it (0.3) is kept too"
-assert torch.isinf(out[1]).tolist() == [False, True, True], "top_p=0.45: the top token alone reaches it"
-assert torch.isinf(out[2]).tolist() == [False, False, False], "top_p=0.9: 0.5 + 0.3 = 0.8 < 0.9, so 0.2 is needed too"
-assert torch.equal(out[0, :2], z[0, :2]), "kept logits stay unchanged"
-wide = torch.linspace(30.0, -30.0, 200, device=dev)[None]
-assert torch.equal(top_p_of(wide, torch.tensor([1.0], device=dev)), wide), \
-    "top_p=1 is off: nothing is removed, not even tokens whose probability is tiny (a float32 running sum reaches 1.0 early)"
+p = torch.tensor([0.6, 0.45, 0.9, 1.0], device=dev)
+with cases("top_p=0.6"):
+    out = top_p_of(z, p)
+    assert torch.isinf(out[0]).tolist() == [False, False, True], \
+        "top_p=0.6 over (0.5, 0.3, 0.2): 0.5 alone is short of 0.6, so the token that crosses it (0.3) is kept too"
+    assert torch.equal(out[0, :2], z[0, :2]), "kept logits stay unchanged"
+with cases("top_p=0.45"):
+    assert torch.isinf(top_p_of(z, p)[1]).tolist() == [False, True, True], "top_p=0.45: the top token alone reaches it"
+with cases("top_p=0.9"):
+    assert torch.isinf(top_p_of(z, p)[2]).tolist() == [False, False, False], \
+        "top_p=0.9: 0.5 + 0.3 = 0.8 < 0.9, so 0.2 is needed too"
+with cases("top_p=1 (off)"):
+    assert torch.equal(top_p_of(z, p)[3], z[3]), "top_p=1 is off: the row is unchanged"
+    wide = torch.linspace(30.0, -30.0, 200, device=dev)[None]
+    assert torch.equal(top_p_of(wide.clone(), torch.tensor([1.0], device=dev)), wide), \
+        "top_p=1 is off: nothing is removed, not even tokens whose probability is tiny (a float32 running sum reaches 1.0 early)"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_REFERENCE + r"""
 g = torch.Generator().manual_seed(3)                         # test data drawn on the CPU: the same numbers on every device
-z = torch.randn(6, 30, generator=g).to(dev) * 2.5
-keep = z.clone()
+Z = torch.randn(6, 30, generator=g).to(dev) * 2.5
 ps = [0.05, 0.3, 0.62, 0.9, 0.97, 1.0]
-got = top_p_of(z, torch.tensor(ps, device=dev))
-assert torch.equal(z, keep), "apply_top_p must not modify its input"
-for b, p in enumerate(ps):
-    ref = _ref_probs(z[b].double().tolist(), p=p)
-    pr = torch.softmax(z[b].double(), -1)
-    srt = pr.sort(descending=True).values
-    assert p == 1.0 or ((srt.cumsum(0) - srt - p).abs() > 1e-4).all(), "self-check: no token sits on the boundary"
-    assert _kept(got[b]) == set(ref), f"row {b}, top_p={p}: expected survivors {sorted(ref)}, got {sorted(_kept(got[b]))}"
-    assert torch.equal(got[b][sorted(ref)], z[b][sorted(ref)]), "kept logits must stay unchanged"
-two = torch.tensor([[4.0, 0.0, -1.0, -2.0]], device=dev)
-assert _kept(top_p_of(two, torch.tensor([0.01], device=dev))) == {0}, "the top token always survives"
+for b, pb in enumerate(ps):                                  # self-check of the data, before any case
+    srt = torch.softmax(Z[b].double(), -1).sort(descending=True).values
+    assert pb == 1.0 or ((srt.cumsum(0) - srt - pb).abs() > 1e-4).all(), "self-check: no token sits on the boundary"
+for b, pb in enumerate(ps):
+    with cases(f"row {b} of a batch, top_p={pb:g}"):
+        got = top_p_of(Z.clone(), torch.tensor(ps, device=dev))
+        ref, kept = set(_ref_probs(Z[b].double().tolist(), p=pb)), _kept(got[b])
+        assert kept == ref, (f"row {b}, top_p={pb:g}: you keep {len(kept)} tokens, "
+                             + ("too many" if kept > ref else "too few" if kept < ref else "not the right ones")
+                             + ": sort by probability; a token survives when the tokens ranked above it hold less than "
+                               "top_p (the token that crosses top_p is kept)" + ("; top_p = 1 removes nothing" if pb == 1 else ""))
+        assert torch.equal(got[b][sorted(ref)], Z[b][sorted(ref)]), "kept logits must stay unchanged"
+with cases("a batch: the input is left alone"):
+    given = Z.clone()
+    top_p_of(given, torch.tensor(ps, device=dev))
+    assert torch.equal(given, Z), "apply_top_p must not modify its input"
+with cases("a tiny top_p"):
+    two = torch.tensor([[4.0, 0.0, -1.0, -2.0]], device=dev)
+    assert _kept(top_p_of(two, torch.tensor([0.01], device=dev))) == {0}, "the top token always survives"
 masked = torch.tensor([[2.0, float("-inf"), 1.0, 0.0, float("-inf")]], device=dev)      # probabilities 0.665, 0.245, 0.090
-assert _kept(top_p_of(masked, torch.tensor([0.8], device=dev))) == {0, 2}, "probabilities come from the softmax over the row as given"
-assert _kept(top_p_of(masked, torch.tensor([1.0], device=dev))) == {0, 2, 3}, "top_p = 1 keeps every token not already at -inf"
-wide = torch.linspace(40.0, -40.0, 500, device=dev).expand(2, 500)
-assert torch.equal(top_p_of(wide, torch.tensor([1.0, 1.0], device=dev)), wide), "top_p = 1 removes nothing"
+with cases("a row with -inf already, top_p=0.8"):
+    assert _kept(top_p_of(masked.clone(), torch.tensor([0.8], device=dev))) == {0, 2}, \
+        "probabilities come from the softmax over the row as given; the token that crosses top_p is kept"
+with cases("a row with -inf already, top_p=1"):
+    assert _kept(top_p_of(masked.clone(), torch.tensor([1.0], device=dev))) == {0, 2, 3}, "top_p = 1 keeps every token not already at -inf"
+with cases("top_p=1 over a wide row"):
+    wide = torch.linspace(40.0, -40.0, 500, device=dev).expand(2, 500)
+    assert torch.equal(top_p_of(wide.clone(), torch.tensor([1.0, 1.0], device=dev)), wide), "top_p = 1 removes nothing"
 for bad in (0.0, 1.5, -0.2):
-    try:
-        apply_top_p(z[:1], torch.tensor([bad], device=dev))
-    except ValueError:
-        pass
-    else:
-        raise AssertionError(f"top_p={bad} must raise ValueError")
+    with cases(f"top_p={bad} is refused"):
+        try:
+            top_p_of(Z[:1].clone(), torch.tensor([bad], device=dev))
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"top_p={bad} must raise ValueError (top_p is in (0, 1])")
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ### See it: which tokens survive?
@@ -485,33 +542,45 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     ### END SOLUTION
 '''),
 tests("min_p_tests", 2, r"""
-from course.expect import expect_tensor
+from course.expect import Cases, expect_tensor
 
 def min_p_of(z, m):
     '''Your apply_min_p, its answer checked first: new (B, V) logits of z's dtype, on z's device.'''
     return expect_tensor(apply_min_p(z, m), f"apply_min_p(logits, {[round(v, 4) for v in m.tolist()]})", dtype=z.dtype, shape=tuple(z.shape),
                          device=dev)
 
+cases = Cases(points=2)        # partial credit: each case below is worth its share of the points
 z = torch.tensor([0.6, 0.3, 0.07, 0.03], device=dev).log().expand(3, 4)
-out = min_p_of(z, torch.tensor([0.1, 0.4, 0.0], device=dev))
-assert torch.isinf(out[0]).tolist() == [False, False, False, True], "min_p=0.1, top 0.6: the bar is 0.06, so 0.03 is cut"
-assert torch.isinf(out[1]).tolist() == [False, False, True, True], "min_p=0.4: the bar is 0.24"
-assert torch.equal(out[2], z[2]), "min_p=0 changes nothing"
+m = torch.tensor([0.1, 0.4, 0.0], device=dev)
+with cases("min_p=0.1"):
+    assert torch.isinf(min_p_of(z, m)[0]).tolist() == [False, False, False, True], "min_p=0.1, top 0.6: the bar is 0.06, so 0.03 is cut"
+with cases("min_p=0.4"):
+    assert torch.isinf(min_p_of(z, m)[1]).tolist() == [False, False, True, True], "min_p=0.4: the bar is 0.24"
+with cases("min_p=0 (off)"):
+    assert torch.equal(min_p_of(z, m)[2], z[2]), "min_p=0 changes nothing"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_REFERENCE + r"""
 g = torch.Generator().manual_seed(4)                         # test data drawn on the CPU: the same numbers on every device
-z = torch.randn(5, 30, generator=g).to(dev) * 2
-keep = z.clone()
+Z = torch.randn(5, 30, generator=g).to(dev) * 2
 ms = [0.0, 0.02, 0.13, 0.5, 1.0]
-got = min_p_of(z, torch.tensor(ms, device=dev))
-assert torch.equal(z, keep), "apply_min_p must not modify its input"
-for b, m in enumerate(ms):
-    ref = _ref_probs(z[b].double().tolist(), m=m)
-    assert _kept(got[b]) == set(ref), f"row {b}, min_p={m}: expected survivors {sorted(ref)}, got {sorted(_kept(got[b]))}"
-    assert torch.equal(got[b][sorted(ref)], z[b][sorted(ref)]), "kept logits must stay unchanged"
-hot = torch.tensor([[8.0, 7.0, 0.0, -1.0]], device=dev)
-assert _kept(min_p_of(hot, torch.tensor([0.3], device=dev))) == {0, 1}, "the bar is relative to the top probability"
+for b, mb in enumerate(ms):
+    with cases(f"row {b} of a batch, min_p={mb:g}"):
+        got = min_p_of(Z.clone(), torch.tensor(ms, device=dev))
+        ref, kept = set(_ref_probs(Z[b].double().tolist(), m=mb)), _kept(got[b])
+        assert kept == ref, (f"row {b}, min_p={mb:g}: you keep {len(kept)} tokens, "
+                             + ("too many" if kept > ref else "too few" if kept < ref else "not the right ones")
+                             + ": a token survives when its probability (softmax of its row) is at least min_p times the "
+                               "row's largest probability")
+        assert torch.equal(got[b][sorted(ref)], Z[b][sorted(ref)]), "kept logits must stay unchanged"
+with cases("a batch: the input is left alone"):
+    given = Z.clone()
+    min_p_of(given, torch.tensor(ms, device=dev))
+    assert torch.equal(given, Z), "apply_min_p must not modify its input"
+with cases("the bar is relative"):
+    hot = torch.tensor([[8.0, 7.0, 0.0, -1.0]], device=dev)
+    assert _kept(min_p_of(hot, torch.tensor([0.3], device=dev))) == {0, 1}, "the bar is relative to the top probability"
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ## 4. One sampler for a whole batch
@@ -609,7 +678,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 '''),
 tests("sampler_tests", 4, r"""
 from course.engine import logits as course_logits
-from course.expect import expect_tensor, substituted
+from course.expect import Cases, expect_tensor, substituted
 
 # Graded on its own: here your sampler runs on the course's processors (Problems 1-4, released in
 # course.engine.logits), so a mistake in one of them costs only that problem's points.
@@ -621,26 +690,35 @@ def sampled(z, params, generators=None):
     return expect_tensor(sample(z, params, generators), "sample(logits, params, generators)", dtype=torch.long,
                          shape=(z.shape[0],), device=dev)
 
+cases = Cases(points=4)        # partial credit: each case below is worth its share of the points
 with substituted(globals(), **course_processors):
     z = torch.tensor([[0.0, 3.0, 1.0, 2.0]], device=dev).repeat(3, 1)
-    out = sampled(z, [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(temperature=0.7, top_p=0.5)])
-    assert out[0] == 1, "temperature 0 is greedy: the argmax of the raw logits"
-    assert out[1] == 1, "top_k=1 leaves only the top token"
-    assert out[2] == 1, "top_p=0.5 keeps only the top token here (p = 0.76 at temperature 0.7)"
-    assert torch.equal(z[0], torch.tensor([0.0, 3.0, 1.0, 2.0], device=dev)), "do not modify the logits"
+    three = [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(temperature=0.7, top_p=0.5)]
+    with cases("temperature 0"):
+        assert sampled(z.clone(), three)[0] == 1, "temperature 0 is greedy: the argmax of the raw logits"
+    with cases("top_k=1"):
+        assert sampled(z.clone(), three)[1] == 1, "top_k=1 leaves only the top token"
+    with cases("temperature 0.7, top_p=0.5"):
+        assert sampled(z.clone(), three)[2] == 1, "top_p=0.5 keeps only the top token here (p = 0.76 at temperature 0.7)"
+    with cases("the logits are left alone"):
+        given = z.clone()
+        sampled(given, three)
+        assert torch.equal(given, z), "do not modify the logits"
     flat = torch.zeros(1, 50, device=dev)
-    runs = [[sampled(flat, [SamplingParams(seed=7)], [g]).item() for _ in range(30)] for g in
-            (torch.Generator(device=dev).manual_seed(7), torch.Generator(device=dev).manual_seed(7))]
-    assert runs[0] == runs[1], "the same seed must give the same tokens: draw seeded rows with their own generator"
-    assert len(set(runs[0])) > 5, "a generator must advance from draw to draw: 30 draws from 50 equal tokens cannot all agree"
+    with cases("a seeded row, drawn twice"):
+        runs = [[sampled(flat, [SamplingParams(seed=7)], [g]).item() for _ in range(30)] for g in
+                (torch.Generator(device=dev).manual_seed(7), torch.Generator(device=dev).manual_seed(7))]
+        assert runs[0] == runs[1], "the same seed must give the same tokens: draw seeded rows with their own generator"
+        assert len(set(runs[0])) > 5, "a generator must advance from draw to draw: 30 draws from 50 equal tokens cannot all agree"
     # Frequencies: 20,000 draws of a known distribution. By Hoeffding's inequality, a correct sampler's
     # frequency of a token misses its probability by 0.03 or more with chance at most
     # 2 exp(-2 * 20000 * 0.03**2) = 4.6e-16, so this check fails a correct sampler less than once in 10^15 runs.
-    N = 20000
-    freq = torch.bincount(sampled(torch.tensor([0.5, 0.3, 0.2], device=dev).log().expand(N, 3), [SamplingParams()] * N),
-                          minlength=3) / N
-    assert (freq - torch.tensor([0.5, 0.3, 0.2], device=dev)).abs().max() < 0.03, \
-        f"temperature 1, no truncation: frequencies {freq.tolist()} should be close to (0.5, 0.3, 0.2)"
+    with cases("temperature 1, no truncation: frequencies"):
+        N = 20000
+        freq = torch.bincount(sampled(torch.tensor([0.5, 0.3, 0.2], device=dev).log().expand(N, 3), [SamplingParams()] * N),
+                              minlength=3) / N
+        assert (freq - torch.tensor([0.5, 0.3, 0.2], device=dev)).abs().max() < 0.03, \
+            f"temperature 1, no truncation: frequencies {freq.tolist()} should be close to (0.5, 0.3, 0.2)"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_REFERENCE + r"""
 # Frequencies against the float64 reference. Each check below fails a correct sampler with chance at
@@ -662,51 +740,69 @@ def _check(draws, s):
         if i not in ref:
             assert freq[i] == 0, f"{s}: token {i} must be cut, but was drawn {int(freq[i] * len(draws))} times"
         else:
-            assert abs(freq[i] - ref[i]) < eps, f"{s}: token {i} drawn with frequency {freq[i]:.3f}, expected {ref[i]:.3f}"
+            assert abs(freq[i] - ref[i]) < eps, (f"{s}: token {i} drawn with frequency {freq[i]:.3f}, too "
+                                                 f"{'high' if freq[i] > ref[i] else 'low'}: apply temperature, min-p, top-k, "
+                                                 f"top-p in that order, then draw from the softmax of what survives")
+_mixed = {}
+def mixed_draws():
+    '''One batch of 40,000 rows, the four settings side by side (drawn once, then reused by each case).'''
+    if "draws" not in _mixed:
+        torch.manual_seed(123)
+        params = [SamplingParams(**s) for s in settings for _ in range(N)]
+        _mixed["draws"] = sampled(z6.expand(len(params), 6).clone(), params).cpu()
+    return _mixed["draws"]
 with substituted(globals(), **course_processors):
-    torch.manual_seed(123)
-    params = [SamplingParams(**s) for s in settings for _ in range(N)]
-    draws = sampled(z6.expand(len(params), 6).clone(), params)
     for j, s in enumerate(settings):
-        _check(draws[j * N:(j + 1) * N].cpu(), s)
-    seeded = dict(temperature=1.3, top_p=0.8)
-    gens = [torch.Generator(device=dev).manual_seed(1000 + i) for i in range(N)]
-    _check(sampled(z6.expand(N, 6).clone(), [SamplingParams(**seeded)] * N, gens).cpu(), seeded)
+        with cases(f"{s}, in a batch of mixed settings: frequencies"):
+            _check(mixed_draws()[j * N:(j + 1) * N], s)
+    with cases("seeded rows, temperature=1.3, top_p=0.8: frequencies"):
+        seeded = dict(temperature=1.3, top_p=0.8)
+        gens = [torch.Generator(device=dev).manual_seed(1000 + i) for i in range(N)]
+        _check(sampled(z6.expand(N, 6).clone(), [SamplingParams(**seeded)] * N, gens).cpu(), seeded)
     # greedy rows: argmax of the raw logits, whatever else is set, with or without a generator
     g = torch.Generator().manual_seed(5)                     # test data drawn on the CPU: the same numbers on every device
     z = torch.randn(4, 30, generator=g).to(dev) * 3
-    ps = [SamplingParams(temperature=0.0, top_p=0.3), SamplingParams(temperature=0.0, top_k=2, seed=1),
-          SamplingParams(temperature=0.0, min_p=0.9), SamplingParams(temperature=0.0)]
-    got = sampled(z, ps, [None, torch.Generator(device=dev).manual_seed(1), None, None])
-    assert got.tolist() == z.argmax(-1).tolist(), "temperature 0 rows must return the argmax of the raw logits"
-    keep = z.clone()
-    sample(z, [SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05)] * 4)
-    assert torch.equal(z, keep), "sample must not modify the logits"
+    with cases("temperature 0 with other settings and a generator"):
+        ps = [SamplingParams(temperature=0.0, top_p=0.3), SamplingParams(temperature=0.0, top_k=2, seed=1),
+              SamplingParams(temperature=0.0, min_p=0.9), SamplingParams(temperature=0.0)]
+        got = sampled(z.clone(), ps, [None, torch.Generator(device=dev).manual_seed(1), None, None])
+        assert got.tolist() == z.argmax(-1).tolist(), "temperature 0 rows must return the argmax of the raw logits"
+    with cases("every setting at once: the logits are left alone"):
+        given = z.clone()
+        sampled(given, [SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05)] * 4)
+        assert torch.equal(given, z), "sample must not modify the logits"
     # one generator per row: same seed, same draws, whatever the neighbours or the position in the batch
     flat = torch.zeros(4, 40, device=dev)
     def _seq(rows_gens, row, calls=25):
         return [sampled(flat[:len(rows_gens)], [SamplingParams()] * len(rows_gens), rows_gens)[row].item() for _ in range(calls)]
-    alone = _seq([torch.Generator(device=dev).manual_seed(11)], 0)
-    torch.manual_seed(0)
-    crowd = _seq([None, torch.Generator(device=dev).manual_seed(3), torch.Generator(device=dev).manual_seed(11), None], 2)
-    assert alone == crowd, "a seeded row must draw the same tokens alone and in a batch: use only its own generator"
-    twins = [torch.Generator(device=dev).manual_seed(9), torch.Generator(device=dev).manual_seed(9)]
-    pairs = [sampled(flat[:2], [SamplingParams()] * 2, twins).tolist() for _ in range(25)]
-    assert all(a == b for a, b in pairs), "two rows with equally seeded generators must draw equal tokens"
-    assert len({a for a, _ in pairs}) > 5, "each generator must advance with every draw"
-    torch.manual_seed(42)
-    a = [sampled(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
-    torch.manual_seed(42)
-    b = [sampled(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
-    assert a == b, "rows without a generator draw from torch's global generator"
-    for bad in (dict(params=[SamplingParams()] * 3), dict(params=[SamplingParams()] * 4, generators=[None] * 2)):
-        try:
-            sample(flat, **bad)
-        except ValueError:
-            pass
-        else:
-            raise AssertionError("params and generators must have one entry per row: raise ValueError")
+    with cases("a seeded row alone and in a batch"):
+        alone = _seq([torch.Generator(device=dev).manual_seed(11)], 0)
+        torch.manual_seed(0)
+        crowd = _seq([None, torch.Generator(device=dev).manual_seed(3), torch.Generator(device=dev).manual_seed(11), None], 2)
+        assert alone == crowd, "a seeded row must draw the same tokens alone and in a batch: use only its own generator"
+    with cases("two rows with equally seeded generators"):
+        twins = [torch.Generator(device=dev).manual_seed(9), torch.Generator(device=dev).manual_seed(9)]
+        pairs = [sampled(flat[:2], [SamplingParams()] * 2, twins).tolist() for _ in range(25)]
+        assert all(a == b for a, b in pairs), \
+            "two rows with equally seeded generators must draw equal tokens: each row draws with its own generator"
+        assert len({a for a, _ in pairs}) > 5, "each generator must advance with every draw"
+    with cases("rows without a generator"):
+        torch.manual_seed(42)
+        a = [sampled(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
+        torch.manual_seed(42)
+        b = [sampled(flat, [SamplingParams()] * 4).tolist() for _ in range(5)]
+        assert a == b, "rows without a generator draw from torch's global generator"
+    with cases("one SamplingParams and one generator per row"):
+        sampled(flat, [SamplingParams()] * 4, [None] * 4)
+        for bad in (dict(params=[SamplingParams()] * 3), dict(params=[SamplingParams()] * 4, generators=[None] * 2)):
+            try:
+                sample(flat, **bad)
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("params and generators must have one entry per row: raise ValueError")
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 Does the order of min-p and top-p matter on real text? For a few prompts, the survivors of
@@ -945,7 +1041,7 @@ assert beams(model_fp32, p, num_beams=1, max_new_tokens=6, eos_token_id=EOS) == 
     "one beam is greedy decoding"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_TINY + r"""
-n_eos = 0
+n_eos, runs = 0, []
 for seed in range(4):
     hf_tiny, ours_tiny = _tiny_pair(seed)
     g = torch.Generator().manual_seed(seed)
@@ -955,14 +1051,33 @@ for seed in range(4):
             path = hf_tiny.generate(torch.tensor([prompt], device=dev), do_sample=False, max_new_tokens=8,
                                     pad_token_id=0)[0, len(prompt):].tolist()
         eos = path[torch.randint(0, 8, (1,), generator=g).item()]          # a token the model does emit
-        for K, lp in ((2, 1.0), (3, 2.0), (4, -0.5), (3, 0.0)):
-            with torch.no_grad():
-                out = hf_tiny.generate(torch.tensor([prompt], device=dev), num_beams=K, length_penalty=lp, do_sample=False,
-                                       max_new_tokens=10, eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
-            want = out[:out.index(eos) + 1] if eos in out else out
-            n_eos += eos in want
-            got = beams(ours_tiny, prompt, K, 10, lp, eos_token_id=eos)
-            assert got == want, f"tiny model {seed}, prompt {prompt}, num_beams={K}, length_penalty={lp}, eos={eos}: expected {want}, got {got}"
+        runs.append((seed, hf_tiny, ours_tiny, prompt, eos))
+def _hf_beams(hf_tiny, prompt, K, lp, eos):
+    with torch.no_grad():
+        out = hf_tiny.generate(torch.tensor([prompt], device=dev), num_beams=K, length_penalty=lp, do_sample=False,
+                               max_new_tokens=10, eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+    return out[:out.index(eos) + 1] if eos in out else out
+# First without a length penalty (length_penalty=0: a finished sequence scores its sum of log-probabilities),
+# which tests the search itself; then with one: a failure there, after these passed, points at the penalty.
+for seed, hf_tiny, ours_tiny, prompt, eos in runs:
+    for K in (2, 3, 4):
+        want = _hf_beams(hf_tiny, prompt, K, 0.0, eos)
+        n_eos += eos in want
+        got = beams(ours_tiny, prompt, K, 10, 0.0, eos_token_id=eos)
+        assert got == want, (f"tiny model {seed}, prompt {prompt}, num_beams={K}, length_penalty=0, eos={eos}: your tokens {got} "
+                             f"differ from HF generate's beam search. Check the search: the best 2K proposals over all beams, "
+                             f"best first; an EOS proposal finishes only if it is among the first K; at the last step the first K "
+                             f"proposals all finish; keep the best K finished; the early stop")
+for seed, hf_tiny, ours_tiny, prompt, eos in runs:
+    for K, lp in ((2, 1.0), (3, 2.0), (4, -0.5)):
+        want = _hf_beams(hf_tiny, prompt, K, lp, eos)
+        n_eos += eos in want
+        got = beams(ours_tiny, prompt, K, 10, lp, eos_token_id=eos)
+        assert got == want, (f"tiny model {seed}, prompt {prompt}, num_beams={K}, length_penalty={lp}, eos={eos}: your tokens {got} "
+                             f"differ from HF generate's beam search, though every case without a length penalty agreed: check "
+                             f"the length penalty. A finished sequence scores s / L**length_penalty with L its new tokens, EOS "
+                             f"included (the prompt does not count); the early stop scores the best running beam the same way, "
+                             f"L = its new tokens so far")
 assert n_eos > 10, "self-check: the cases must include sequences that end with EOS"
 p = tokenizer("My trip to Yosemite was").input_ids
 assert beams(model_fp32, p, 2, 8, 2.0, eos_token_id=EOS) == hf_beam(p, 2, 8, 2.0), "real model, length_penalty=2"
@@ -1100,21 +1215,113 @@ no free setting, only a choice of where to sit on this curve.
 - **Beam search** keeps `K` beams, ranks finished sequences by `sum log p / L^alpha`, and often, not
   always, finds likelier text than greedy (a greedy loop can be very likely: compare your table); likely text is not the same as good, varied text.
 
-**Questions** (from the workshop's decoding strategies, and a few more)
+**Questions** (from the workshop's decoding strategies, and a few more). Answer in the cell under
+each group, in a few sentences of your own and with **your** numbers where a question asks for them;
+a person grades them (4 points in all).
 1. Why does greedy decoding start repeating itself? Use your repetition numbers for its two halves.
 2. "Greedy misses high-probability words hidden behind low-probability words." Compare the mean
    log-probability of your greedy and beam texts. When can beam search beat greedy on likelihood?
+"""),
+answer("greedy_beam_answer", 1, "questions 1 and 2", model=r"""
+1. Greedy is deterministic: the same context always gives the same token. Once a phrase has been
+   written, the model (which learned to continue a text consistently, copying from its context) rates
+   writing it again as the most likely continuation, greedy takes it, and every repeat makes the next
+   one likelier still: a loop it cannot leave. (Example, CPU, float32: "I like to eat a burger with a
+   side of fries. I'm not sure what to do with it. I'm not sure what to do with it. ..."; 3-gram
+   repetition 0.40 in the first half, 0.67 in the second.)
+2. Beam search ranks finished sequences by `sum log p / L^alpha`, so its text's mean log-probability
+   is usually at least greedy's, but not always: a greedy loop is very likely token after token, and
+   the length penalty compares sequences of different lengths (the student compares their two numbers
+   from the table and says which was higher). Beam search beats greedy when a token that is not the
+   top choice at some step leads to a continuation so much likelier that the whole sequence wins
+   (the "hidden" high-probability words), and that path stays among the `K` best partial sequences
+   at every step until it pays off. When greedy's path is itself the best, or the better path falls
+   out of the beam early, beam search finds nothing better.
+""", rubric=r"""
+- 0.5: question 1: determinism plus self-reinforcement (a repeat makes itself likelier), with the
+  student's two halves quoted (the second repeating more, or an honest remark if it did not).
+- 0.5: question 2: the two mean log-probabilities compared; beam wins when a lower-ranked early token
+  leads to a likelier whole sequence that survives in the beam (not guaranteed: loops are likely, the
+  beam is finite, the length penalty).
+"""),
+md(r"""
 3. Top-k: how would you decide `k`? Use the survivor counts of top-p 0.9 on the three prompts to say
    why top-p adapts and top-k does not.
 4. Why must temperature come before top-p? What would a temperature slider do to the survivors if
    top-p read the temperature-1 distribution?
+"""),
+answer("truncation_answer", 1, "questions 3 and 4", model=r"""
+3. `k` is chosen empirically: generate with a few values on prompts like the service's and trade
+   quality (no junk tokens) against variety (distinct-n, human judgement); 40-50 are common defaults.
+   But one `k` fits no context. (Example, CPU, float32:) top-p 0.9 keeps 10 tokens after "The capital
+   of France is" (the top token alone has 0.77), 403 after "The weather today is" and 359 after "I like
+   to eat", while top-k 50 keeps 50 in all three: too many where the model is sure (it lets 40 junk
+   tokens in), too few where it is not (it cuts hundreds of reasonable ones). Top-p is defined on
+   the probability mass, so a peaked distribution reaches 90% in a few tokens and a flat one needs
+   many: it adapts to the model's confidence; top-k only counts ranks.
+4. Top-p reads probabilities, and a user who lowers the temperature expects a narrower choice: with
+   temperature first, a low temperature concentrates the mass and fewer tokens reach `p`, a high one
+   spreads it and more survive. If top-p read the temperature-1 distribution, the survivors would not
+   depend on the temperature at all: the slider would only reweight the same fixed set (at a high
+   temperature, flattening it over the same survivors; never admitting or cutting a token).
+""", rubric=r"""
+- 0.5: question 3: k set by experiment (quality against diversity), and why one k fails, argued with
+  the student's three survivor counts (few where the model is sure, hundreds where it is not).
+- 0.5: question 4: temperature changes the probabilities that top-p thresholds; applied after top-p,
+  the survivor set would be fixed whatever the temperature.
+"""),
+md(r"""
 5. Top-p with (0.5, 0.3, 0.2) and `p = 0.6`: which tokens survive, and why is the crossing token kept?
 6. Why does each seeded request need its own generator? What goes wrong under continuous batching
    (lab 04) if a whole batch draws from one?
+"""),
+answer("top_p_seeds_answer", 1, "questions 5 and 6", model=r"""
+5. The first two, 0.5 and 0.3 (renormalized to 0.625 and 0.375): the mass ranked above 0.5 is 0 and
+   above 0.3 is 0.5, both below 0.6; above 0.2 it is 0.8, so 0.2 is cut. The crossing token (0.3) is
+   kept because top-p is the *smallest set whose mass reaches at least p*: without it the survivors
+   hold 0.5, less than the 0.6 asked for. (The same rule always keeps the top token.)
+6. A seed promises the same draws every time the request is sent. A generator of its own, seeded once
+   and advanced only by its own draws, makes its k-th token depend only on its seed and its own
+   logits. With one generator for the whole batch, row `b` gets whatever number comes after the draws
+   of the rows before it and of every earlier step; under continuous batching the batch changes at
+   every step (requests arrive, finish, are preempted), so the same seed gives a different text
+   depending on the traffic, and neighbours' randomness is coupled: seeds cannot be honoured.
+""", rubric=r"""
+- 0.5: question 5: 0.5 and 0.3 survive, 0.2 is cut; the crossing token is kept so the kept mass reaches
+  at least p (the smallest such set).
+- 0.5: question 6: reproducibility per request independent of the batch; with one shared generator
+  the draws depend on batch membership and order, which change every step under continuous batching.
+"""),
+md(r"""
 7. Temperature 0.00001 gave the greedy text. Why does vLLM treat temperature 0 as a separate,
    greedy path instead of dividing by a tiny number?
 8. How would you run beam search inside a server that batches many requests? What does each beam
    cost in KV-cache memory, and how do shared prefix blocks (lab 05) reduce that cost?
+"""),
+answer("greedy_path_beams_answer", 1, "questions 7 and 8", model=r"""
+7. Dividing by 0 itself gives `inf - inf = NaN`, and dividing by a tiny number is fragile: logits times
+   100,000 overflow fp16 (max 65,504); tokens whose logits tie (common after bf16 rounding) are then
+   picked by a random draw instead of deterministically; and the row still pays for a softmax, a sort
+   for top-p and a random draw, and advances its generator, for a result known in advance. A
+   separate greedy path (an argmax of the raw logits) is exact, deterministic, cheaper and safe;
+   vLLM takes the greedy rows' argmax first and samples only the others.
+8. Each request's `K` beams become `K` rows of the batch: one forward pass gives logits for every beam
+   of every request, then each request selects its own best `2K` proposals, keeps `K` running beams
+   and its finished list, and stops on its own rule; it occupies `K` slots of the batch. Each beam
+   holds a full KV cache, so a request costs `K` times the memory of one sequence (SmolLM2 in bf16:
+   `K x (prompt + new tokens) x 23,040` bytes), and reordering beams copies caches (HF's
+   `reorder_cache`). With shared blocks the beams fork from each other: the prompt's blocks and every
+   common prefix are stored once (reference counts), reordering copies only block tables, and a
+   partly full last block is copied on write: the cost is the prompt once plus each beam's own tail
+   since it diverged.
+""", rubric=r"""
+- 0.5: question 7: numerical danger (division by 0 is NaN; overflow or lost gaps in 16-bit), random
+  tie-breaking, and wasted work (softmax, sort, draw); a greedy argmax path is exact and cheap.
+- 0.5: question 8: beams as batch rows with per-request selection; K full caches per request without
+  sharing; with ref-counted blocks, shared prefix stored once, fork = copy the block table, COW on the
+  last block.
+"""),
+md(r"""
 
 ## Going further
 

@@ -46,7 +46,7 @@ def _fresh_cache(m, seq, max_len=256):
 def _same_cache(c, seq_len, ref, what):
     # c must hold exactly the first seq_len positions, equal to the reference cache
     n = int(c.lengths[0])
-    assert n == seq_len, f"{what}: the cache holds {n} positions, expected {seq_len}"
+    assert n == seq_len, f"{what}: the cache holds {n} positions, not {seq_len}"
     assert not c.valid[0, n:].any(), f"{what}: positions from {n} on must be marked invalid after a rollback"
     assert c.valid[0, :n].all(), f"{what}: the first {n} positions must be valid"
     assert torch.allclose(c.k[:, 0, :, :n], ref.k[:, 0, :, :n], atol=1e-4), f"{what}: stored keys differ from a cache built from the kept tokens alone"
@@ -90,9 +90,10 @@ costs speed, never quality.
 - put them together in a speculative decoding step whose greedy output equals the target's;
 - replay the steps in a trace widget, and measure acceptance rate, tokens per target pass against the formula, and the wall-time speedup for several draft lengths.
 
-**Time:** about 3 hours 30 minutes: 40 minutes of reading, six problems (appending and rolling back about 25
+**Time:** about 3 hours 55 minutes: 40 minutes of reading, six problems (appending and rolling back about 25
 minutes, the draft and prompt lookup about 20 each, greedy acceptance 15, rejection sampling and the
-speculative step about 40 each), and 3-5 minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
+speculative step about 40 each), 25 minutes for the written questions at the end, and 3-5 minutes of
+running on a laptop CPU. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
 used when there is one.
 """),
 locked("colab_install", COLAB_INSTALL),
@@ -225,6 +226,7 @@ def rollback(cache: SlotKVCache, length: int) -> None:
 '''),
 tests("cache_ops_tests", 3, r"""
 from course.expect import expect_tensor
+from course.tolerance import for_decoder, order_tol
 
 def extended(m, cache, tokens):
     '''Your extend, its answer checked first: one row of logits per token, (T, V), on the model's device.'''
@@ -242,14 +244,17 @@ assert int(c.lengths[0]) == len(seq), "after two extends the slot holds every to
 assert torch.allclose(a, full[:4], atol=1e-3), "the first extend runs the tokens at positions 0..3: logits differ from the uncached model"
 assert torch.allclose(b, full[4:], atol=1e-3), "the second extend must continue at position 4: logits differ from the uncached model"
 rollback(c, 3)
-assert int(c.lengths[0]) == 3 and c.valid[0].sum() == 3, "after rollback(cache, 3) the slot holds exactly 3 valid positions"
+assert int(c.lengths[0]) == 3 and c.valid[0].sum() == 3, \
+    "after rollback(cache, 3) the slot holds exactly 3 valid positions: set its length to 3 and mark the positions from 3 on invalid"
 with torch.no_grad():
     again = extended(model_fp32, c, seq[3:6])
     ref = SlotKVCache(model_fp32.cfg, n_slots=1, max_len=32, device=dev)
     ref_logits = model_fp32(torch.tensor([seq[:6]], device=dev), torch.arange(6, device=dev)[None])[0]
     forward_cached(model_fp32, torch.tensor([seq[:6]], device=dev), torch.arange(6, device=dev)[None], ref, SLOT0)
 assert torch.allclose(again, ref_logits[3:], atol=1e-3), "after a rollback, new tokens must see only the kept ones"
-assert torch.allclose(c.k[:, 0, :, :6], ref.k[:, 0, :, :6], atol=1e-4), "the rolled-back cache must equal one built from the kept tokens"
+# keys of all 30 layers (up to about 20): another order of the same sums, within float32's budget for this model
+assert torch.allclose(c.k[:, 0, :, :6], ref.k[:, 0, :, :6], **order_tol(ref.k[:, 0, :, :6], **for_decoder(model_fp32.cfg))), \
+    "the rolled-back cache must equal one built from the kept tokens"
 for bad in (-1, 7):
     try:
         rollback(c, bad)
@@ -650,7 +655,9 @@ def checked(rows, drafted):
 
 rows = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 2.0], [4.0, 0.0, 0.0]], device=dev)   # argmax 1, 0, 2, 0
 assert checked(rows, [1, 0, 2]) == (3, 0), "all three drafts match: keep them and take the bonus token from the last row"
-assert checked(rows, [1, 2, 2]) == (1, 0), "the second draft (2) differs from the target's 0: keep 1 draft, then the target's 0"
+assert checked(rows, [1, 2, 2]) == (1, 0), \
+    "the second draft (2) differs from the target's 0: keep 1 draft, then the target's 0 (stop at the first draft that differs: " \
+    "the drafts after it are discarded, even one that matches its row)"
 assert checked(rows[:1], []) == (0, 1), "no drafts: the target's own next token, as in plain decoding"
 ### BEGIN HIDDEN TESTS
 assert checked(rows, [2, 0, 2]) == (0, 1), "the first draft is wrong: nothing kept, the target's 1 replaces it"
@@ -664,7 +671,9 @@ for trial in range(30):
     best = z.argmax(-1).tolist()
     cut = torch.randint(0, k + 1, (1,), generator=g).item()
     d = best[:cut] + [(b + 1) % 12 for b in best[cut:k]]
-    assert checked(z, d) == (cut, best[cut]), f"trial {trial}: expected ({cut}, {best[cut]})"
+    got = checked(z, d)
+    assert got == (cut, best[cut]), (f"trial {trial}, {k} drafts: you returned (n, token) = {got}; n counts the drafts up to "
+                                     f"the first one that differs from its row's argmax, token is the argmax of row n")
 for bad_rows, d in ((rows, [1, 0]), (rows[:2], [1, 0, 2])):
     try:
         verify_greedy(bad_rows, d)
@@ -736,7 +745,8 @@ q1 = torch.tensor([[0.10, 0.15, 0.25, 0.40, 0.10]])   # cpu: verify_sample reads
 checked(p1, q1, [3], torch.Generator().manual_seed(0))
 assert checked(p1[1:].repeat(3, 1), p1[1:].repeat(2, 1), [0, 4])[0] == 2, "when q equals p every draft is accepted"
 p0, q0 = torch.tensor([[0.0, 1.0], [0.5, 0.5]]), torch.tensor([[1.0, 0.0]])   # cpu: verify_sample reads p, q on the CPU
-assert checked(p0, q0, [0]) == (0, 1), "p(x) = 0: the draft x is always rejected, and the residual puts all its mass on token 1"
+assert checked(p0, q0, [0]) == (0, 1), \
+    "p(x) = 0: the draft x is always rejected (accepted with probability min(1, p(x)/q(x)) = 0), and the residual puts all its mass on token 1"
 # The first token of a step must follow p[0] whatever q is. A chi-square test on 3,500 steps whose
 # drafts are drawn from q, with fixed seeds. For a correct answer and a fresh seed, Pearson's statistic
 # (5 categories, 4 degrees of freedom; every expected count >= 350, so the chi-square law applies)
@@ -750,7 +760,9 @@ for x in torch.multinomial(q1[0], 3500, replacement=True, generator=g).tolist():
 expected = [3500 * v for v in p1[0].tolist()]
 stat = sum((o - e) ** 2 / e for o, e in zip(first, expected))
 pvalue = math.exp(-stat / 2) * (1 + stat / 2)
-assert pvalue > 1e-7, f"the first token's frequencies {[f / 3500 for f in first]} do not follow p = {p1[0].tolist()} (chi-square {stat:.0f})"
+assert pvalue > 1e-7, (f"the first token's frequencies {[round(f / 3500, 3) for f in first]} do not follow p = {p1[0].tolist()} "
+                       f"(chi-square {stat:.0f}): accept draft x with probability min(1, p(x)/q(x)); after a rejection draw from "
+                       f"the normalized residual max(0, p - q), not from p itself (that counts the accepted mass twice)")
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_CHI2 + r"""
 # Each chi-square check below fails a correct answer with probability < 1e-7 (see the visible test);
@@ -901,6 +913,19 @@ with substituted(globals(), **course_parts):
     hook = model_fp32.blocks[-1].mlp.register_forward_hook(lambda *a: passes.append(1))   # the draft has no block 30: counts target passes
     try:
         story = tokenizer("Once upon a time, a little robot").input_ids
+        tcache, drafter = SlotKVCache(model_fp32.cfg, n_slots=1, max_len=64, device=dev), ModelDrafter(draft_fp32)
+        drafter.start(64)
+        seq = list(story)                                    # one step by hand: the text and both caches after it
+        drafted, n, token = step_checked(speculative_step(model_fp32, tcache, drafter, seq, 4), 4)
+        assert seq == story + drafted[:n] + [token], \
+            "speculative_step appends to seq, in place, the n accepted drafts and then the target's token (a correction, " \
+            "or the bonus when every draft was accepted)"
+        assert int(tcache.lengths[0]) == len(seq) - 1, \
+            (f"after a step the target's cache must hold len(seq) - 1 = {len(seq) - 1} tokens, it holds {int(tcache.lengths[0])}: "
+             f"roll it back (rollback(tcache, len(seq) - 1)), dropping the rejected drafts' keys and values")
+        assert int(drafter.cache.lengths[0]) <= len(seq) - 1, \
+            (f"after a step the draft's cache holds {int(drafter.cache.lengths[0])} tokens: roll it back too, to at most "
+             f"len(seq) - 1 = {len(seq) - 1} (drafter.keep(len(seq) - 1))")
         want = plain_generate(model_fp32, story, 20)
         for drafter in (ModelDrafter(draft_fp32), NgramDrafter(model_fp32.cfg.vocab_size)):
             passes.clear()
@@ -931,11 +956,14 @@ with substituted(globals(), **course_parts):
                 drafted, n, tok = step_checked(speculative_step(tgt, tcache, drafter, seq, gamma), gamma)
                 accepted += n
                 assert len(drafted) == gamma, f"gamma={gamma}: the model drafter proposes gamma tokens"
-                assert len(seq) == before + n + 1, f"seq must grow by n + 1 = {n + 1} tokens, grew by {len(seq) - before}"
+                assert len(seq) == before + n + 1, (f"seq must grow by n + 1 = {n + 1} tokens (the accepted drafts, then the "
+                                                    f"target's token: a correction, or the bonus when every draft was "
+                                                    f"accepted), grew by {len(seq) - before}")
                 assert expect_ints(seq[before:], "the tokens the step appended to seq") == drafted[:n] + [tok], \
                     "seq gains the accepted drafts, then the target's token"
                 assert seq == ref[:len(seq)], f"gamma={gamma}: the text departs from the target's greedy text"
-                _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), f"gamma={gamma}, target cache after a step")
+                _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]),
+                            f"gamma={gamma}, target cache after a step (it must hold len(seq) - 1 tokens)")
                 held = int(drafter.cache.lengths[0])
                 assert held <= len(seq) - 1, f"gamma={gamma}: the draft cache still holds {held} positions; roll it back to at most len(seq) - 1 = {len(seq) - 1}"
                 _same_cache(drafter.cache, held, _fresh_cache(dm, seq[:held]), f"gamma={gamma}, draft cache after a step")
@@ -957,7 +985,8 @@ with substituted(globals(), **course_parts):
         seq, g = [7, 8, 9], torch.Generator().manual_seed(1)
         while len(seq) < 30:
             step_checked(speculative_step(tgt, tcache, drafter, seq, 4, temperature, g), 4)
-            _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]), f"temperature {temperature}: target cache")
+            _same_cache(tcache, len(seq) - 1, _fresh_cache(tgt, seq[:-1]),
+                        f"temperature {temperature}: target cache (it must hold len(seq) - 1 tokens)")
             held = int(drafter.cache.lengths[0])
             assert held <= len(seq) - 1, f"temperature {temperature}: roll the draft cache back"
             _same_cache(drafter.cache, held, _fresh_cache(dm, seq[:held]), f"temperature {temperature}: draft cache")

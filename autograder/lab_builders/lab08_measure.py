@@ -1,7 +1,7 @@
 """Lab 08, the end of section 5 and section 6: the trace widget, the measurements (acceptance rate,
 tokens per target pass and wall-clock speedup per drafter and draft length, on fresh and on
 repeating text), the real model pairs, then the summary and going further."""
-from autograder.authoring import code, md
+from autograder.authoring import answer, code, md
 
 CELLS = [
 md(r"""
@@ -266,21 +266,117 @@ md(r"""
 - The gain depends on the acceptance rate, the draft length and the draft's cost; a draft that does
   not match the target makes decoding *slower*.
 
-**Questions**
+**Questions**. Answer in the cell under each group, in a few sentences of your own and with **your**
+numbers where a question asks for them; a person grades them (4 points in all).
 1. The workshop this course grew from says the target "verifies these tokens in parallel; worst case, re-run from
    that point". What does the worst case cost with your implementation, compared with plain decoding?
 2. Why must the draft share the target's tokenizer? What would it take to use a draft with another vocabulary?
+"""),
+answer("worst_case_vocab_answer", 1, "questions 1 and 2", model=r"""
+1. The worst case is every step's first draft rejected. Nothing is re-run: the same target pass that
+   rejected `d_1` gives the correction from its row 0, and rolling back only moves the cache lengths.
+   So a step still yields one token per target pass, like plain decoding, but pays for it with `gamma`
+   draft passes (`gamma x c` of a target pass) and a target pass over `gamma + 1` tokens instead of one
+   (about the same on a GPU, somewhat more on a CPU: the first measurement says how much). The step
+   costs about `1 + gamma x c` plain steps (plus the verify overhead): a slowdown, never a wrong token.
+2. The draft's proposals are token ids that the target reads as input and checks against its own rows:
+   greedy compares `d_i` with the target's argmax, and rejection sampling divides `p(x)` by `q(x)` for
+   the same token `x`. Both only mean something when the two models number the same strings the same
+   way. With another vocabulary one must translate: decode the draft's tokens to text and re-encode it
+   with the target's tokenizer (token boundaries differ, so the last, possibly partial, token must be
+   held back), check the re-encoded tokens greedily, and map the cache lengths back on the draft's
+   side; exact rejection sampling then needs the two distributions over a common space (strings, or
+   the tokens both vocabularies share), which is what "universal" assisted decoding schemes build.
+""", rubric=r"""
+- 0.5: question 1: one token per target pass (the correction comes from the same pass; rollback is
+  free), plus the wasted gamma draft passes and a wider verify pass: about 1 + gamma c of a plain step.
+- 0.5: question 2: ids and per-token probabilities must refer to the same tokens; another vocabulary
+  needs text-level translation (detokenize, retokenize, align) and, for sampling, a common space.
+"""),
+md(r"""
 3. Explain, with the two terms $\min(p, q)$ and $\max(0, p - q)$, why rejection sampling gives exactly
    $p$. Would the chi-square check in the test under Problem 5 catch resampling from $p$ instead? Work out the first token's distribution in that case.
+"""),
+answer("rejection_sampling_answer", 1, "question 3", model=r"""
+A draft `x` is proposed with probability `q(x)` and kept with `min(1, p(x)/q(x))`, so it is output as
+an accepted draft with probability `min(p(x), q(x))`. A rejection happens with probability
+`1 - sum_y min(p(y), q(y)) = sum_y max(0, p(y) - q(y))`, and then `x` is drawn from the normalized
+residual, which gives it `max(0, p(x) - q(x))`. In total `min(p(x), q(x)) + max(0, p(x) - q(x)) = p(x)`.
+Resampling from `p` instead gives `min(p(x), q(x)) + (1 - sum_y min(p(y), q(y))) p(x)`. In the test,
+`p = (0.40, 0.25, 0.15, 0.10, 0.10)` and `q = (0.10, 0.15, 0.25, 0.40, 0.10)`: `min(p, q)` =
+`(0.10, 0.15, 0.15, 0.10, 0.10)`, sum 0.60, so the rejection rate is 0.40 and the first token comes out
+as `(0.10 + 0.16, 0.15 + 0.10, 0.15 + 0.06, 0.10 + 0.04, 0.10 + 0.04)` = `(0.26, 0.25, 0.21, 0.14, 0.14)`
+instead of `p`. Over 3,500 steps the expected counts are `(1400, 875, 525, 350, 350)` and this rule
+gives about `(910, 875, 735, 490, 490)`: a chi-square statistic near 370, far beyond the test's
+threshold (about 38, where its p-value reaches 1e-7). Yes, it is caught, every time.
+""", rubric=r"""
+- 0.5: the derivation: accepted mass min(p, q), rejection mass sum max(0, p - q), residual share
+  max(0, p(x) - q(x)), sum = p(x).
+- 0.5: the wrong rule's first-token distribution (0.26, 0.25, 0.21, 0.14, 0.14), or the formula
+  min(p, q) + 0.4 p worked out, and why the chi-square check catches it (a statistic in the hundreds).
+"""),
+md(r"""
 4. From your two tables: which $\gamma$ is best for each drafter, on fresh and on repeating text?
    When can prompt lookup afford a longer draft than the draft model, and why?
 5. Your draft costs $c$ of a target pass. Using the speedup formula, what acceptance rate would it
    need to reach 2x at $\gamma = 4$? Why does a big GPU target (a 70B model) make $c$ much smaller
    than it is for this 135M target?
+"""),
+answer("gamma_cost_answer", 1, "questions 4 and 5", model=r"""
+4. (From the student's tables; a typical reading:) the trained draft does best at a small to moderate
+   `gamma` (2-4) on fresh text, and no better on repeating text; the untrained early exit loses at
+   every `gamma` (its drafts are almost never accepted); prompt lookup barely drafts on fresh text
+   (about 1x at any `gamma`) and is best at the largest `gamma` on repeating text, where its tokens per
+   pass keep climbing. Prompt lookup can afford a longer draft because a guess costs it almost nothing
+   (a list search, no model pass: `c` near 0), so an extra guess only widens the verify pass, and its
+   guesses come in runs: when it has found the passage being copied it is right for many tokens in a
+   row. Each extra token of the model draft costs a draft pass for sure and pays only if every earlier
+   draft was accepted.
+5. Speedup `(1 - a^5) / ((1 - a)(4c + 1)) = 2`, so `1 + a + a^2 + a^3 + a^4 = 2 (4c + 1)`. With the
+   trained draft's `c` of about 0.16 on a CPU: `1 + a + ... + a^4 = 3.28`, `a` of about 0.79; with the
+   early exit's `c` of about 0.3: 4.4, `a` of about 0.94; with a free draft (`c = 0`): 2, `a` of about
+   0.52. A big target's decode pass on a GPU is bound by reading its weights (140 GB for a 70B model in
+   bf16, tens of milliseconds per pass), and a small draft (1B, or a few layers) reads about a hundredth
+   of that: `c` is about the ratio of their sizes. For this 135M target the draft is a sizeable
+   fraction of its target (4 blocks of 30 plus a head: about a sixth of its bytes on a CPU), and on a
+   GPU both passes are bound by kernel launches, which a small draft pays almost as much as the target.
+""", rubric=r"""
+- 0.5: question 4: the best gamma per drafter and text read from the student's tables, and why prompt
+  lookup can draft longer (near-zero cost per guess, correlated runs of correct guesses).
+- 0.5: question 5: the equation set up with the student's c and solved (about 0.79 for c = 0.16), and
+  why c shrinks for a big target (memory-bound pass proportional to the weights' bytes; launch-bound
+  small models make c close to 1).
+"""),
+md(r"""
 6. In a batched server (lab 04), each request accepts a different number of drafts per step. What
    does that do to the batch, and to the paged KV cache of lab 05 (which blocks must be freed)?
 7. Why does speculative decoding help most at small batch sizes, and less when the batch already
    fills the GPU's compute?
+"""),
+answer("batched_speculation_answer", 1, "questions 6 and 7", model=r"""
+6. The requests advance by different amounts (1 to `gamma + 1` tokens) at every step, so their
+   lengths and positions drift apart: the next verify pass is ragged (padding, or a kernel that takes
+   per-request lengths), the step costs what its widest request costs, and per-request bookkeeping
+   (positions, slot mappings, stop checks) changes every step. In the paged cache, every request must
+   first get slots for all `gamma + 1` tokens it may keep (which can run out of blocks and force a
+   preemption); after the check, each rolls back to its own accepted length: a block that holds only
+   rejected positions is freed (its reference count drops and it returns to the pool), the last kept
+   block keeps its stale slots past the length (overwritten later), and the block table is cut
+   accordingly. The draft's cache is trimmed the same way.
+7. At a small batch a decode step leaves the GPU's arithmetic idle (memory- or launch-bound), so
+   checking `gamma + 1` tokens per request costs about one pass: the drafts ride on spare compute.
+   A large batch already fills the compute (its intensity is past the ridge): verifying `gamma + 1`
+   tokens per request multiplies the FLOPs of the step, rejected drafts are wasted arithmetic, the
+   draft passes add more, and the weight reads that speculation amortizes are already shared by the
+   batch, so the gain shrinks and can turn into a loss.
+""", rubric=r"""
+- 0.5: question 6: a ragged batch (different advances, lengths, padding or per-request handling) and,
+  in the paged cache, slots reserved for all drafts then a per-request rollback that frees blocks
+  holding only rejected positions.
+- 0.5: question 7: small batches leave compute idle so verification is nearly free; at large batches
+  the step is compute-bound and the extra (rejected) tokens cost real time.
+"""),
+md(r"""
 
 ## Going further
 

@@ -86,9 +86,9 @@ of the paged blocks of lab 05.
 - watch which blocks each request reuses, and measure prefill tokens saved, time to first token and
   hit rate against cache size, on a shared system prompt and on a multi-turn chat.
 
-**Time:** about 3 hours 10 minutes: 35 minutes of reading, five problems (block hashes 15 minutes,
-the block pool 35, the prefix cache 30, the prefill 25, the radix tree 45), and 2-3 minutes of running
-on a laptop CPU. **Hardware:** everything runs on a laptop CPU (small workloads there);
+**Time:** about 3 hours 35 minutes: 35 minutes of reading, five problems (block hashes 15 minutes,
+the block pool 35, the prefix cache 30, the prefill 25, the radix tree 45), 25 minutes for the
+written questions at the end, and 2-3 minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU (small workloads there);
 on a GPU the workloads grow, and section 6 shows what the cache is worth there.
 """),
 locked("colab_install", COLAB_INSTALL),
@@ -251,7 +251,7 @@ def hashes(tokens, bs, hash_fn=hash_block):
 
 show = lambda p, t: (p, t)                                    # a "hash" that shows what it was given
 assert hashes([1, 2, 3, 4], 2, hash_fn=show) == [(None, (1, 2)), ((None, (1, 2)), (3, 4))], \
-    "hash 1 = hash_fn(hash 0, (3, 4)): each hash takes the previous one and a tuple of the block's tokens"
+    "hash 1 = hash_fn(hash 0, (3, 4)): each hash takes the previous block's hash as its parent, and a tuple of the block's tokens"
 assert hashes([1, 2, 3, 4, 5], 2, hash_fn=show)[-1] == ((None, (1, 2)), (3, 4)), "the partial block [5] gets no hash"
 assert len(hashes(list(range(10)), 4)) == 2 and hashes([1, 2, 3], 4) == [], "only full blocks"
 h1, h2 = hashes([1, 2, 9, 9], 2), hashes([3, 4, 9, 9], 2)
@@ -316,6 +316,9 @@ release(P5)  -> ref 0, to the back                                free_queue: [P
   block stays private and is freed like any block).
 - `lookup(h, parent, tokens)`: the block cached under `h` if its tokens and its parent match, else
   None. A block found under `h` that fails the check is a collision: count it in `collisions`.
+
+Graded case by case: each scenario of the tests earns its share of the 4 points, and the feedback lists the
+cases that failed.
 """),
 solution("block_pool", r'''
 class BlockPool:
@@ -408,8 +411,9 @@ pool.share(a)
 print("shared block", a, "| free queue", list(pool.free_queue), "| take(3) evicts:", pool.take(3), "| evictions", pool.evictions)
 '''),
 tests("block_pool_tests", 4, r"""
-from course.expect import expect_int, expect_ints, expect_type
+from course.expect import Cases, expect_int, expect_ints, expect_type
 
+cases = Cases(points=4)        # one share of the 4 points per case: the feedback lists the cases that failed
 # Your pool's answers and state, each checked first (type, then value).
 def taken(p, n):
     return expect_ints(p.take(n), f"take({n})", length=n)
@@ -424,73 +428,117 @@ def cached(p):
     return dict(zip(expect_ints(list(d), "the hashes in cached"), expect_ints(list(d.values()), "the blocks in cached")))
 def count(p, name):
     return expect_int(getattr(p, name), name, min=0)
+def registered():              # 4 blocks of 2: block 0 holds (5, 6) under hash 111, block 1 holds (7, 8) after it, under 222
+    p = BlockPool(n_blocks=4, block_size=2)
+    taken(p, 2)
+    p.register(0, 111, None, (5, 6)); p.register(1, 222, 0, [7, 8])
+    return p
+def released():                # the same, both released: cached, with no user
+    p = registered()
+    p.release(1); p.release(0)
+    return p
 
-p = BlockPool(n_blocks=4, block_size=2)
-assert taken(p, 2) == [0, 1] and refs(p) == [1, 1, 0, 0] and queue(p) == [2, 3], "take from the front"
-p.register(0, 111, None, (5, 6)); p.register(1, 222, 0, [7, 8])
-assert cached(p) == {111: 0, 222: 1} and tuple(expect_ints(p.tokens_of[1], "tokens_of[1]", container=tuple)) == (7, 8) \
-    and expect_int(p.parent_of[1], "parent_of[1]") == 0, "register records the block under its hash, with its tokens (a tuple) and parent"
-p.release(1); p.release(0)
-assert queue(p) == [2, 3, 1, 0], "released blocks go to the back, in the order they were released"
-assert cached(p) == {111: 0, 222: 1}, "a released block stays cached"
-assert found(p, 111, None, (5, 6)) == 0 and found(p, 222, 0, (7, 8)) == 1, "a hash whose tokens and parent match is a hit"
-assert found(p, 222, 0, (7, 9)) is None and count(p, "collisions") == 1, "a hit whose tokens differ is a collision: no hit"
-assert found(p, 222, 3, (7, 8)) is None and count(p, "collisions") == 2, "a hit whose parent differs is a collision too"
-assert found(p, 333, None, (1, 2)) is None and count(p, "collisions") == 2, "an unknown hash is a plain miss"
-p.share(0)
-assert refs(p)[0] == 1 and 0 not in queue(p), "a shared block leaves the free queue: it must not be evicted"
-assert taken(p, 3) == [2, 3, 1] and count(p, "evictions") == 1 and 222 not in cached(p) and p.hash_of[1] is None, \
-    "taking block 1 evicts its cached content"
-try:
-    p.take(1)
-except OutOfBlocks:
-    pass
-else:
-    raise AssertionError("no free block left (block 0 is in use): take must raise OutOfBlocks")
-assert refs(p) == [1, 1, 1, 1] and 111 in cached(p), "the block in use was not evicted"
+with cases("take from the front"):
+    p = BlockPool(n_blocks=4, block_size=2)
+    assert taken(p, 2) == [0, 1] and refs(p) == [1, 1, 0, 0] and queue(p) == [2, 3], "take from the front"
+with cases("register records the hash, the tokens and the parent"):
+    p = registered()
+    assert cached(p) == {111: 0, 222: 1} and tuple(expect_ints(p.tokens_of[1], "tokens_of[1]", container=tuple)) == (7, 8) \
+        and expect_int(p.parent_of[1], "parent_of[1]") == 0, "register records the block under its hash, with its tokens (a tuple) and parent"
+with cases("released blocks go to the back, still cached"):
+    p = released()
+    assert queue(p) == [2, 3, 1, 0], "released blocks go to the back, in the order they were released"
+    assert cached(p) == {111: 0, 222: 1}, "a released block stays cached"
+with cases("lookup: a hit"):
+    p = released()
+    assert found(p, 111, None, (5, 6)) == 0 and found(p, 222, 0, (7, 8)) == 1, "a hash whose tokens and parent match is a hit"
+    assert count(p, "collisions") == 0, "a hit is not a collision"
+with cases("lookup: the tokens differ: a collision"):
+    p = released()
+    assert found(p, 222, 0, (7, 9)) is None and count(p, "collisions") == 1, "a hit whose tokens differ is a collision: no hit"
+with cases("lookup: the parent differs: a collision"):
+    p = released()
+    assert found(p, 222, 3, (7, 8)) is None and count(p, "collisions") == 1, "a hit whose parent differs is a collision too"
+with cases("lookup: an unknown hash is a plain miss"):
+    p = released()
+    assert found(p, 333, None, (1, 2)) is None and count(p, "collisions") == 0, "an unknown hash is a plain miss"
+with cases("share takes a cached block out of the free queue"):
+    p = released()
+    p.share(0)
+    assert refs(p)[0] == 1 and 0 not in queue(p), "a shared block leaves the free queue: it must not be evicted"
+with cases("take evicts the least recently used cached block"):
+    p = released()
+    p.share(0)
+    assert taken(p, 3) == [2, 3, 1] and count(p, "evictions") == 1 and 222 not in cached(p) and p.hash_of[1] is None, \
+        "taking block 1 evicts its cached content"
+with cases("a block in use is never evicted: OutOfBlocks"):
+    p = released()
+    p.share(0)
+    taken(p, 3)
+    try:
+        p.take(1)
+    except OutOfBlocks:
+        pass
+    else:
+        raise AssertionError("no free block left (block 0 is in use): take must raise OutOfBlocks")
+    assert refs(p) == [1, 1, 1, 1] and 111 in cached(p), "the block in use was not evicted"
 ### BEGIN HIDDEN TESTS
-# OutOfBlocks changes nothing
-p = BlockPool(n_blocks=3, block_size=2)
-taken(p, 1)
-try:
-    p.take(3)
-except OutOfBlocks:
-    pass
-else:
-    raise AssertionError("3 blocks asked, 2 free: OutOfBlocks")
-assert queue(p) == [1, 2] and refs(p) == [1, 0, 0], "a failed take must change nothing"
-try:
-    p.release(2)
-except ValueError:
-    pass
-else:
-    raise AssertionError("releasing a block with no user must raise ValueError")
-# register never replaces an entry; a registered block is not registered twice
-p.register(0, 5, None, (1, 1)); p.register(0, 6, None, (2, 2))
-b, = taken(p, 1)
-p.register(b, 5, None, (1, 1))
-assert cached(p) == {5: 0} and p.hash_of[b] is None, "a hash already in the map keeps its block"
-# LRU: a block reused and released again moves to the back
-p = BlockPool(n_blocks=5, block_size=1)
-blocks = taken(p, 5)
-for i, blk in enumerate(blocks):
-    p.register(blk, 100 + i, None, (i,))
-for blk in (3, 1, 4, 0, 2):
-    p.release(blk)
-assert queue(p) == [3, 1, 4, 0, 2], "released blocks join the back of the queue, in release order"
-p.share(1); p.share(1); p.release(1)
-assert 1 not in queue(p) and refs(p)[1] == 1, "two shares, one release: still in use"
-p.release(1)
-assert queue(p) == [3, 4, 0, 2, 1], "block 1 was used last: it goes to the back, evicted last"
-assert taken(p, 2) == [3, 4] and set(cached(p)) == {100, 101, 102}, "evict the least recently used first"
-# the share of a block in use does not touch the queue
-p = BlockPool(n_blocks=3, block_size=1)
-x, = taken(p, 1); p.register(x, 9, None, (4,)); p.share(x)
-assert refs(p)[x] == 2 and queue(p) == [1, 2], "sharing a block in use only counts one more user"
-for _ in range(2):
-    p.release(x)
-assert queue(p) == [1, 2, 0] and refs(p)[x] == 0, "its last release puts it at the back of the queue"
+with cases("a failed take changes nothing"):
+    p = BlockPool(n_blocks=3, block_size=2)
+    taken(p, 1)
+    try:
+        p.take(3)
+    except OutOfBlocks:
+        pass
+    else:
+        raise AssertionError("3 blocks asked, 2 free: OutOfBlocks")
+    assert queue(p) == [1, 2] and refs(p) == [1, 0, 0], "a failed take must change nothing"
+with cases("releasing a block with no user raises ValueError"):
+    p = BlockPool(n_blocks=3, block_size=2)
+    taken(p, 1)
+    try:
+        p.release(2)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("releasing a block with no user must raise ValueError")
+with cases("register never replaces an entry"):
+    # register never replaces an entry; a registered block is not registered twice
+    p = BlockPool(n_blocks=3, block_size=2)
+    taken(p, 1)
+    p.register(0, 5, None, (1, 1)); p.register(0, 6, None, (2, 2))
+    b, = taken(p, 1)
+    p.register(b, 5, None, (1, 1))
+    assert cached(p) == {5: 0} and p.hash_of[b] is None, "a hash already in the map keeps its block; a registered block keeps its hash"
+def released_five():           # LRU: 5 blocks of 1, registered, released in the order 3, 1, 4, 0, 2
+    p = BlockPool(n_blocks=5, block_size=1)
+    for i, blk in enumerate(taken(p, 5)):
+        p.register(blk, 100 + i, None, (i,))
+    for blk in (3, 1, 4, 0, 2):
+        p.release(blk)
+    return p
+with cases("released blocks join the back of the queue, in release order"):
+    assert queue(released_five()) == [3, 1, 4, 0, 2], "released blocks join the back of the queue, in release order"
+with cases("a cached block used again goes to the back of the queue"):
+    p = released_five()
+    p.share(1); p.share(1); p.release(1)
+    assert 1 not in queue(p) and refs(p)[1] == 1, "two shares, one release: still in use (one user left)"
+    p.release(1)
+    assert queue(p) == [3, 4, 0, 2, 1], "block 1 was used last: it goes to the back, evicted last"
+with cases("evict the least recently used first"):
+    p = released_five()
+    p.share(1); p.release(1)
+    assert taken(p, 2) == [3, 4] and set(cached(p)) == {100, 101, 102}, "evict the least recently used first"
+with cases("sharing a block in use counts one more user"):
+    # the share of a block in use does not touch the queue
+    p = BlockPool(n_blocks=3, block_size=1)
+    x, = taken(p, 1); p.register(x, 9, None, (4,)); p.share(x)
+    assert refs(p)[x] == 2 and queue(p) == [1, 2], "sharing a block in use only counts one more user"
+    for _ in range(2):
+        p.release(x)
+    assert queue(p) == [1, 2, 0] and refs(p)[x] == 0, "its last release puts it at the back of the queue"
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ## Problem 3: The prefix cache (4 points)
@@ -523,6 +571,9 @@ fully cached in blocks of 4, still recomputes its second block (vLLM does the sa
   registered yet, with its chained hash and its parent block, extending `hashes[seq]`.
 - `free(seq)`: release the sequence's blocks **last block first**, so that its first blocks, the ones
   other requests are most likely to share, are the last to be evicted. Unknown `seq`: `KeyError`.
+
+Graded case by case: each scenario of the tests earns its share of the 4 points, and the feedback lists the
+cases that failed.
 """),
 solution("prefix_cache", r'''
 class PrefixCache:
@@ -661,8 +712,9 @@ class CoursePrefixCache(course_prefix_cache.PrefixCache):
     cached_tokens = property(lambda self: self.hit_tokens)
 '''),
 tests("prefix_cache_tests", 4, r"""
-from course.expect import expect_float, expect_int, expect_ints, expect_tuple, substituted
+from course.expect import Cases, expect_float, expect_int, expect_ints, expect_tuple, substituted
 
+cases = Cases(points=4)        # one share of the 4 points per case: the feedback lists the cases that failed
 # Your cache's answers and state, each checked first (type, then value).
 def allocated(pc, seq, tokens):
     n, slots = expect_tuple(pc.allocate(seq, tokens), f"allocate({seq!r}, {tokens})", 2)
@@ -673,91 +725,150 @@ def table(pc, seq):
     return expect_ints(pc.tables[seq], f"tables[{seq!r}]")
 def counted(pc, name):
     return expect_int(getattr(pc, name), name, min=0)
+def course_parts():
+    # Graded on its own: in each case your PrefixCache runs on the course's block_hashes and BlockPool
+    # (Problems 1 and 2), so a mistake there costs only their points.
+    return substituted(globals(), block_hashes=course_prefix_cache.block_hashes, BlockPool=CourseBlockPool)
+def warm():                    # sequence "a" = [1, 2, 3, 4, 5] allocated and committed, in blocks of 2
+    pc = PrefixCache(n_blocks=8, block_size=2)
+    allocated(pc, "a", [1, 2, 3, 4, 5])
+    pc.commit("a", [1, 2, 3, 4, 5])
+    return pc
+def four():                    # then "b" = a's prompt, "c" = its first 4 tokens, "d" another prefix
+    pc = warm()
+    allocated(pc, "b", [1, 2, 3, 4, 5]); allocated(pc, "c", [1, 2, 3, 4]); allocated(pc, "d", [9, 9, 3, 4, 5])
+    return pc
 
-# Graded on its own: here your PrefixCache runs on the course's block_hashes and BlockPool (Problems 1
-# and 2), so a mistake there costs only their points.
-with substituted(globals(), block_hashes=course_prefix_cache.block_hashes, BlockPool=CourseBlockPool):
+with cases("a cold cache: no hit"), course_parts():
     pc = PrefixCache(n_blocks=8, block_size=2)
     assert allocated(pc, "a", [1, 2, 3, 4, 5]) == (0, [0, 1, 2, 3, 4]) and table(pc, "a") == [0, 1, 2], "a cold cache: no hit"
-    pc.commit("a", [1, 2, 3, 4, 5])
+with cases("commit registers the full blocks"), course_parts():
+    pc = warm()
     assert sorted(pc.pool.cached.values()) == [0, 1], "blocks (1, 2) and (3, 4) are registered; the partial block [5] is not"
     assert expect_ints(pc.hashes["a"], "hashes['a']") == block_hashes([1, 2, 3, 4], 2), "hashes[seq]: the chained hashes of its registered blocks"
+with cases("the same prompt again shares the full blocks"), course_parts():
+    pc = warm()
     n, slots = allocated(pc, "b", [1, 2, 3, 4, 5])
     assert n == 4 and table(pc, "b")[:2] == [0, 1] and table(pc, "b")[2] != 2, \
         "b shares the two full blocks; the partial last block is never shared"
     assert slots == [table(pc, "b")[2] * 2] and pc.pool.ref_count[:2] == [2, 2], "b computes only its last token, in a block of its own"
-    assert allocated(pc, "c", [1, 2, 3, 4])[0] == 2, "4 tokens, fully cached: still compute the last block (its logits are needed)"
-    assert allocated(pc, "d", [9, 9, 3, 4, 5])[0] == 0, "(3, 4) after (9, 9) is another prefix: no hit"
-    assert counted(pc, "prompt_tokens") == 19 and counted(pc, "cached_tokens") == 6, "count every prompt token, and those that came from the cache"
+with cases("a fully cached prompt still computes its last block"), course_parts():
+    assert allocated(warm(), "c", [1, 2, 3, 4])[0] == 2, \
+        "4 tokens, fully cached: still compute the last block (its logits are needed): match only tokens[:-1]"
+with cases("the same block after another prefix: no hit"), course_parts():
+    assert allocated(warm(), "d", [9, 9, 3, 4, 5])[0] == 0, "(3, 4) after (9, 9) is another prefix: no hit"
+with cases("prompt_tokens and cached_tokens"), course_parts():
+    pc = four()
+    assert counted(pc, "prompt_tokens") == 19 and counted(pc, "cached_tokens") == 6, \
+        "prompt_tokens counts every prompt token (5 + 5 + 4 + 5), cached_tokens the tokens (not blocks) that came from the cache (4 + 2)"
+with cases("free releases the blocks"), course_parts():
+    pc = four()
     pc.free("a")
-    assert pc.pool.ref_count[:3] == [2, 1, 0] and list(pc.pool.free_queue)[-1] == 2, "free releases the blocks"
+    assert pc.pool.ref_count[:3] == [2, 1, 0] and list(pc.pool.free_queue)[-1] == 2, \
+        "free('a') releases one user of each of a's blocks: block 0 (shared by a, b, c) keeps 2, block 1 (a, b) keeps 1, " \
+        "block 2 (a's own) has none left and joins the back of the free queue"
+with cases("append fills the last block, then takes a new one"), course_parts():
+    pc = four()
+    pc.free("a")
     assert appended(pc, "b", 1) == [table(pc, "b")[2] * 2 + 1] and appended(pc, "b", 1) == [table(pc, "b")[3] * 2], \
         "append fills the last block, then takes a new one"
+with cases("a block filled while decoding is registered too"), course_parts():
+    pc = four()
+    pc.free("a")
+    appended(pc, "b", 1); appended(pc, "b", 1)
     pc.commit("b", [1, 2, 3, 4, 5, 6, 7])
     assert pc.pool.hash_of[table(pc, "b")[2]] == block_hashes([1, 2, 3, 4, 5, 6], 2)[2], "a block filled while decoding is registered too"
     for s in ("b", "c", "d"):
         pc.free(s)
     assert pc.pool.n_free == 8 and not any(pc.pool.ref_count), "after every free, every block is free"
-    # LRU: the oldest released blocks go first; a request's last block is released first
+# LRU: the oldest released blocks go first; a request's last block is released first
+def released_one():
     pc = PrefixCache(n_blocks=6, block_size=2)
     allocated(pc, 0, [1, 2, 3, 4, 5]); pc.commit(0, [1, 2, 3, 4, 5]); pc.free(0)
-    assert list(pc.pool.free_queue) == [3, 4, 5, 2, 1, 0], "released blocks go to the back, the last block first"
+    return pc
+with cases("free releases the last block first"), course_parts():
+    assert list(released_one().pool.free_queue) == [3, 4, 5, 2, 1, 0], "released blocks go to the back, the last block first"
+with cases("LRU: the oldest released blocks are evicted first"), course_parts():
+    pc = released_one()
     allocated(pc, 1, [7] * 10); pc.free(1)
     assert allocated(pc, 2, [1, 2, 3, 4, 5])[0] == 2, "LRU: block (3, 4) must be evicted before block (1, 2)"
 ### BEGIN HIDDEN TESTS
 import random
 # eviction never frees a referenced block; contents stay right under random traffic (strong hash)
 """ + HIDDEN_STRESS + r"""
-with substituted(globals(), block_hashes=course_prefix_cache.block_hashes, BlockPool=CourseBlockPool):
-    for bs, n_blocks, seed in ((1, 12, 1), (2, 10, 2), (3, 16, 3), (4, 9, 4)):
+for bs, n_blocks, seed in ((1, 12, 1), (2, 10, 2), (3, 16, 3), (4, 9, 4)):
+    with cases(f"random traffic on {n_blocks} blocks of {bs}"), course_parts():
         _stress(hash_block, n_blocks, bs, 300, seed)
-    # collisions: weak hashes must never give a wrong hit (the token check)
-    for bs, seed in ((2, 5), (3, 6)):
+# collisions: weak hashes must never give a wrong hit (the token check)
+for bs, seed in ((2, 5), (3, 6)):
+    with cases(f"hashes that collide, blocks of {bs}: never a wrong hit"), course_parts():
         pc = _stress(lambda p, t: 0, 12, bs, 250, seed)
         assert pc.pool.collisions > 0, "with a constant hash every lookup collides; the check must count it"
         _stress(lambda p, t: (sum(t) + (p or 0)) % 3, 12, bs, 250, seed + 10)
         _stress(lambda p, t: hash(t) % 5, 12, bs, 250, seed + 20)
-    # OutOfBlocks changes nothing, and matched free blocks count against what is free
+# OutOfBlocks changes nothing, and matched free blocks count against what is free
+def crowded():                 # block (1, 2) cached with no user; 2 blocks free, one of them block (1, 2)
     pc = PrefixCache(n_blocks=3, block_size=2)
     allocated(pc, 0, [1, 2, 3]); pc.commit(0, [1, 2, 3]); pc.free(0)
     allocated(pc, 1, [5, 5])
+    return pc
+with cases("a matched block that is free now counts against the free blocks"), course_parts():
+    pc = crowded()
     try:
         pc.allocate(2, [1, 2, 3, 4, 5])
     except OutOfBlocks:
         pass
     else:
-        raise AssertionError("block (1, 2) is a hit but is one of the 2 free blocks: 2 more are needed, only 1 is left")
+        raise AssertionError("block (1, 2) is a hit but is one of the 2 free blocks: 2 more are needed, only 1 is left: OutOfBlocks")
+with cases("a failed allocate changes nothing"), course_parts():
+    pc = crowded()
+    try:
+        pc.allocate(2, [1, 2, 3, 4, 5])
+    except OutOfBlocks:
+        pass
     assert 2 not in pc.tables and pc.pool.ref_count == [0, 0, 1] and list(pc.pool.free_queue) == [1, 0], \
-        "a failed allocate changes nothing"
+        "a failed allocate changes nothing: check that everything fits before you share or take a block"
     assert counted(pc, "prompt_tokens") == 5 and counted(pc, "cached_tokens") == 0, "a failed allocate counts nothing"
     assert allocated(pc, 3, [1, 2, 9])[0] == 2, "the failed allocate must not have shared or evicted block (1, 2)"
+with cases("free of an unknown sequence raises KeyError"), course_parts():
+    pc = crowded()
     try:
         pc.free("nobody")
     except KeyError:
         pass
     else:
         raise AssertionError("free of an unknown sequence must raise KeyError")
-    # the cache can be switched off: no hits, same bookkeeping
+with cases("the cache switched off: no hits"), course_parts():
     pc = PrefixCache(n_blocks=6, block_size=2, enabled=False)
     allocated(pc, 0, [1, 2, 3]); pc.commit(0, [1, 2, 3]); pc.free(0)
     assert allocated(pc, 1, [1, 2, 3])[0] == 0 and expect_float(pc.hit_rate, "hit_rate") == 0, "enabled=False: never a hit"
-    # exact multiples and one-token prompts
+# exact multiples and one-token prompts
+def multiples():               # blocks of 3: [4, 5, 6, 7, 8, 9] committed
     pc = PrefixCache(n_blocks=10, block_size=3)
     allocated(pc, 0, [4, 5, 6, 7, 8, 9]); pc.commit(0, [4, 5, 6, 7, 8, 9])
+    return pc
+with cases("exact block multiples and one-token prompts"), course_parts():
+    pc = multiples()
     assert len(pc.pool.cached) == 2, "6 tokens in blocks of 3: both blocks are full and registered"
     assert allocated(pc, 1, [4, 5, 6, 7, 8, 9, 1])[0] == 6 and allocated(pc, 2, [4])[0] == 0, \
         "7 tokens: both full blocks from the cache; a one-token prompt: nothing"
     assert allocated(pc, 3, [4, 5, 6, 7, 8, 9])[0] == 3, "6 tokens, fully cached: the last block is recomputed"
-    # commit is incremental and idempotent
+with cases("commit is incremental and idempotent"), course_parts():
+    pc = multiples()
+    allocated(pc, 1, [4, 5, 6, 7, 8, 9, 1])
     before = dict(pc.pool.cached)
     pc.commit(1, [4, 5, 6, 7, 8, 9, 1]); pc.commit(1, [4, 5, 6, 7, 8, 9, 1])
     assert pc.pool.cached == before and expect_ints(pc.hashes[1], "hashes[1]") == block_hashes([4, 5, 6, 7, 8, 9], 3), \
         "committing blocks that are already registered changes nothing"
+with cases("a block filled by append is registered by the next commit"), course_parts():
+    pc = multiples()
+    allocated(pc, 1, [4, 5, 6, 7, 8, 9, 1]); pc.commit(1, [4, 5, 6, 7, 8, 9, 1])
     appended(pc, 1, 2); pc.commit(1, [4, 5, 6, 7, 8, 9, 1, 2, 3])
     assert expect_ints(pc.hashes[1], "hashes[1]") == block_hashes([4, 5, 6, 7, 8, 9, 1, 2, 3], 3) and len(pc.pool.cached) == 3, \
         "a block filled by append is registered by the next commit"
     assert pc.pool.parent_of[table(pc, 1)[2]] == table(pc, 1)[1], "the parent of a block is the block before it in the table"
 ### END HIDDEN TESTS
+cases.score()
 """),
 ]
 

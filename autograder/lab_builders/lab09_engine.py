@@ -187,6 +187,7 @@ for p, out in list(zip(QUESTIONS, runs["prefix cache"].outputs))[:3]:
 '''),
 tests("prefill_tests", 3, r"""
 from course.expect import expect_tensor, substituted
+from course.tolerance import for_decoder, order_tol
 
 def prefilled(m, kv, pc, seq, tokens):
     '''Your prefill, its answer checked first: the last token's logits (V,) on the model's device.'''
@@ -254,7 +255,9 @@ with substituted(globals(), PrefixCache=CoursePrefixCache):
         logits = prefilled(tiny, eng.kv, eng.pc, "y", stem[:10] + [7, 7])
         with torch.no_grad():
             want = tiny(torch.tensor([stem[:10] + [7, 7]], device=dev), torch.arange(12, device=dev)[None])[0, -1]
-        assert (logits - want).abs().max() < 1e-4, "logits of the last token of a partly cached prompt"
+        # another order of the same sums (cached keys, then the rest): float32's budget for this model, not a fixed 1e-4
+        assert torch.allclose(logits, want, **order_tol(want, **for_decoder(tiny.cfg))), \
+            "logits of the last token of a partly cached prompt (attend to the cached blocks at positions 0..n_cached-1)"
         assert eng.pc.lengths["y"] == 12 and eng.pc.pool.ref_count[eng.pc.tables["y"][0]] == 1, \
             "prefill allocates the sequence in pc (its first block shared with nobody now)"
     # with a colliding hash the outputs stay right (the token check)

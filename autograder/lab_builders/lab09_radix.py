@@ -1,5 +1,5 @@
 """Lab 09, section 5 onwards: the radix tree (Problem 5), the measurements, the summary."""
-from autograder.authoring import code, md, solution, tests
+from autograder.authoring import answer, code, md, solution, tests
 
 CELLS = [
 md(r"""
@@ -255,7 +255,9 @@ for seed in range(6):
             continue
         vals = list(range(slot, slot + len(seq))); slot += len(seq)
         known = max((common_length(seq, s) for s in inserted_seqs), default=0)
-        assert inserted(t, seq, vals) == known, f"insert must return the stored prefix length {known}"
+        got = inserted(t, seq, vals)
+        assert got == known, (f"insert({list(seq)}) returned {got}: it must return how many of its first tokens the tree "
+                              "already held (its longest common prefix with a stored sequence)")
         for i in range(len(seq)):
             first_slot.setdefault(seq[:i + 1], vals[i])
         inserted_seqs.append(seq)
@@ -264,7 +266,8 @@ for seed in range(6):
             want = max((common_length(q, s) for s in inserted_seqs), default=0)
             values, node = matched(t, q)
             assert values == [first_slot[q[:i + 1]] for i in range(want)], \
-                f"match_prefix({q}) must give the slots of the {want} stored tokens"
+                (f"match_prefix({list(q)}) gave the slots {values}: it must give the slots of the longest stored prefix of "
+                 "the query, each token's slot as first inserted")
             depth, n = 0, node
             while n is not t.root:
                 depth += len(key(n)); n = n.parent
@@ -623,21 +626,120 @@ What each scheme is good at:
 - You measured the prefill tokens saved, the time to first token with and without the cache, and the
   hit rate against cache size.
 
-**Questions**
+**Questions**. Answer in the cell under each group, in a few sentences of your own and with **your**
+numbers where a question asks for them; a person grades them (4 points in all).
 1. Why must the hash of a block include its parent's hash? Give two prompts that a hash of the block
    alone would confuse, and say what the model would then compute.
 2. Why is the partial last block never shared? What would go wrong when two requests share it and both decode?
+"""),
+answer("hash_chain_answer", 1, "questions 1 and 2", model=r"""
+1. A block's keys and values depend on its own tokens **and on every token before it**: from layer 1
+   on, each hidden state mixes the whole prefix through attention, and RoPE rotates by the absolute
+   position. A hash of the block alone names only its tokens. With blocks of 4, "The cat sat on | the
+   mat and slept" and "A dog lay on | the mat and slept" have the same second block, and so does a
+   prompt that starts with "the mat and slept" (the same tokens as block 0, at other positions). A
+   hit there would hand the second request keys and values computed after "The cat sat on": the
+   model would attend to a context the user never sent and continue as if the prompt had been the
+   other one, a silently different answer from the uncached one. The chain makes the hash name the
+   whole prefix.
+2. The partial last block is still being written: the sequence's next token goes into its next free
+   slot, and its content (and so any hash of it) is not final. If two requests shared it and both
+   decoded, both would write their own next token's keys and values into the same slot, each
+   overwriting the other's, and each would then attend to the other's token: both outputs would be
+   wrong. (Lab 05's fork handles such a block with copy-on-write; the prefix cache simply shares only
+   full blocks.)
+""", rubric=r"""
+- 0.5: question 1: keys and values depend on the whole prefix (and positions); two prompts with an
+  identical block after different prefixes; the model would attend to the wrong context and give an
+  answer different from the uncached one.
+- 0.5: question 2: the last block is still written by its owner (not final, no stable hash); shared,
+  two decoders overwrite each other's slot and read each other's keys.
+"""),
+md(r"""
 3. A prompt is exactly 4 full blocks long and all of them are cached. How many tokens does the engine
    compute, and why not zero?
 4. What would happen if `share` forgot to take a free block out of the LRU queue? Describe the first
    request that would see wrong keys.
+"""),
+answer("last_block_lru_answer", 1, "questions 3 and 4", model=r"""
+3. A whole block: `block_size` tokens (16 here). `match` looks only at `tokens[:-1]`, whose full blocks
+   are the first 3, so the 4th block is allocated fresh and computed again. Not zero, because the
+   cache keeps keys and values, not logits: the first new token's logits come from a forward pass
+   over the last prompt token, so at least that token must run, and at block granularity its whole
+   block is recomputed (vLLM does the same).
+4. The block would be in use (reference count 1) and still in `free_queue`. The next `take` that
+   reaches it in LRU order would hand it out as a fresh block: evict its hash and give it to another
+   request, whose prefill writes its own keys and values into it. Example: A finishes and its blocks
+   stay cached; B shares A's first block P; C arrives and needs fresh blocks, and `take` pops P. The
+   first request to see wrong keys is **B**: at its next step (a decode, or the rest of its prefill)
+   its attention reads P, which now holds C's tokens, so B's output departs from the uncached one.
+   (C is fine: it wrote P itself. The reference counts are wrong from then on too.)
+""", rubric=r"""
+- 0.5: question 3: block_size tokens (the last block), because the last token must run to give the
+  first token's logits (match uses tokens[:-1]).
+- 0.5: question 4: a shared block can be taken as free, evicted and overwritten by a newcomer; the
+  request that shared it (still running) is the first to read wrong keys.
+"""),
+md(r"""
 5. The token check costs a tuple comparison per hit. With 64-bit hashes, how many cached blocks would
    a server need before a collision becomes likely (the birthday bound)? Is the check worth it?
 6. In your multi-turn measurement, how does the prefill time per turn grow with and without the cache?
    What happens to the total over a 50-turn chat?
+"""),
+answer("collisions_chat_answer", 1, "questions 5 and 6", model=r"""
+5. Among `N` random 64-bit hashes a collision has probability about `N^2 / 2^65`; it reaches one half
+   at `N = sqrt(2 ln 2 x 2^64)`, about 5 x 10^9 blocks (at 16 tokens and SmolLM2's 23 KB per token, some
+   1.9 PB of keys and values: far beyond any server). Over a server's life the relevant count is
+   lookups times cached blocks, still a tiny probability with a strong hash. The check is still worth
+   it: it costs a comparison of 16 integers per hit, nothing next to a forward pass, and turns a
+   silent wrong answer (and, with a weak or truncated hash, a collision an attacker could craft to
+   read another tenant's context) into a plain miss.
+6. Without the cache each turn's prompt is the whole conversation so far, so its prefill grows with
+   every turn (on a CPU roughly linearly in the tokens, on top of a fixed cost; on a GPU, at these
+   lengths, it stays near the launch-bound floor). With the cache each turn computes only its new
+   message, the last token of the previous answer and the partial blocks around them: about the same
+   small amount every turn (the student quotes their cached-token counts and times). Over 50 turns,
+   with about `m` new tokens per exchange, the uncached total is about `50 S + 1,275 m` prompt tokens
+   (quadratic in the number of turns), the cached one about `50 (m + block_size)`: linear. (With
+   `m` = 60 and a 100-token system prompt: about 81,000 against 4,000 tokens.) The conversation's
+   cache grows linearly and must stay cached between turns (LRU pressure can evict it).
+""", rubric=r"""
+- 0.5: question 5: the birthday bound (about 2^32, a few billion blocks) and a reasoned verdict that
+  the check is worth its negligible cost (silent wrong answers, crafted collisions).
+- 0.5: question 6: uncached per-turn prefill grows with the conversation (with the student's times),
+  cached stays about constant; total quadratic against linear over 50 turns.
+"""),
+md(r"""
 7. From your hit-rate plot: how much cache does this traffic need? Which requests still miss when the
    cache is large, and why can no cache help them?
 8. Why can a radix tree evict only leaves, and why must a running request lock its path?
+"""),
+answer("hit_rate_radix_answer", 1, "questions 7 and 8", model=r"""
+7. (Example: the lab's traffic, 400 requests, blocks of 16.) The hit rate climbs from about 43% at 24
+   blocks (384 tokens) to 76% at 64 and levels off at 81-83% from about 96-128 blocks (1,500-2,000
+   tokens): the six system prompts hold 740 tokens together, and the cache also needs room for the
+   current request and for the questions and answers that pass through it. Beyond that more cache
+   buys nothing. What still misses: every question (new text, 8-40 tokens per request), the block
+   where the system prompt ends and the question begins (recomputed by every request with the
+   hashes), and the first request of each system prompt (a cold miss). No cache can help them:
+   their keys and values were never computed before, since no earlier request had those tokens at
+   those positions after that prefix.
+8. An inner node is a prefix of everything below it: its children's keys and values were computed
+   after it and are reached only through it. Removing it would cut its descendants off (their slots
+   unreachable, wasted) and free slots that their matches still rely on; a leaf is used by nothing
+   else, so removing leaves, least recently used first, keeps every stored path a valid prefix. A
+   running request reads the slots of its matched path at every step; unlocked, they could be
+   evicted and handed to another request that overwrites them. `lock_ref` on its node and every
+   ancestor keeps the whole path (which becomes a leaf as descendants go) out of eviction until it
+   finishes.
+""", rubric=r"""
+- 0.5: question 7: a cache size read from the student's plot (where the hit rate levels off, about the
+  popular prompts together plus working room) and the misses that remain: the questions (new tokens),
+  the boundary block, cold first requests.
+- 0.5: question 8: inner nodes are prefixes that descendants depend on (leaves only keeps paths valid);
+  a running request's path must not be evicted and overwritten while it reads it (locks up the path).
+"""),
+md(r"""
 
 ## Going further
 

@@ -40,8 +40,8 @@ costs some quality, so each one is measured: perplexity on a held-out text, next
 - read the Q4_1 blocks of the model's GGUF file, write the 4-bit group-wise quantizer that rebuilds
   them, and fill a table of memory and perplexity for fp32, bf16, int8 and 4-bit weights.
 
-**Time:** about 3 hours: 45 minutes of reading, six problems (about 10, 20, 30, 25, 15 and 40
-minutes), and a few minutes of runs. **Hardware:** everything runs on a laptop CPU, with a text of
+**Time:** about 3 hours 25 minutes: 45 minutes of reading, six problems (about 10, 20, 30, 25, 15
+and 40 minutes), 25 minutes for the written questions at the end, and a few minutes of runs. **Hardware:** everything runs on a laptop CPU, with a text of
 a few hundred tokens in quick mode and about a thousand otherwise. A GPU runs longer texts; an
 Ada or Hopper GPU (sm_89 or newer) also has native fp8 math, which the lab reports but does not need.
 """),
@@ -189,8 +189,8 @@ for family, n_head, n_kv, d_model, n_layer in (("llama", 8, 8, 256, 3), ("llama"
             got = expect_int(kv_bytes_per_token(c, bits, scales, sb), f"kv_bytes_per_token(cfg, {bits}, {scales!r}, {sb})")
             want = _ref_kv_bytes(n_layer, n_kv, d_model // n_head, bits, per, sb)
             assert got == want, (f"{n_layer} layers, {n_kv} KV heads of {d_model // n_head}, {bits} bits, scales={scales!r}, "
-                                 f"scale_bytes={sb}: want {want}, got {got} (K and V both count; scales follow the KV "
-                                 f"heads, not the query heads)")
+                                 f"scale_bytes={sb}: got {got}, which is wrong: K and V both count, in every layer; scales "
+                                 f"follow the KV heads (not the query heads), scale_bytes each")
 for bad in ("row", "heads", ""):
     try:
         kv_bytes_per_token(cfg, 8, bad)

@@ -1,6 +1,6 @@
 """Lab 10, sections 6-7: the model's own 4-bit file, taken apart and rebuilt (Problem 6), a table of
 weight formats, the final measurement, summary and going further. Assembled by lab10.py."""
-from autograder.authoring import code, md, solution, tests
+from autograder.authoring import answer, code, md, solution, tests
 
 # The hidden reference: ggml's Q4_1 rule (quantize_row_q4_1_ref) in NumPy, written here from the
 # format's definition, and its dequantization.
@@ -339,23 +339,120 @@ md(r"""
   often slower. The gain
   in time needs kernels that read the small format and convert it in registers.
 
-**Questions**
+**Questions**. Answer in the cell under each group, in a few sentences of your own and with **your**
+numbers where a question asks for them; a person grades them (4 points in all).
 1. From your first plot: how many requests of 8,192 tokens does it take before Llama-3-8B's cache outweighs
    its weights? With int8 KV? Which of the three levers would you pull first on a chat server, and why?
 2. Why does a window free whole blocks and not single tokens? What does that cost in memory, at most,
    per sequence?
+"""),
+answer("levers_blocks_answer", 1, "questions 1 and 2", model=r"""
+1. Llama-3-8B has 8.03 B weights, 16.1 GB (15 GiB) in bf16, and its cache takes
+   `2 x 32 layers x 8 KV heads x 128 x 2 bytes` = 128 KiB per token, 1 GiB per request of 8,192 tokens:
+   the cache outweighs the weights at about 15 requests (122,500 tokens in flight). In int8 with a
+   scale per (token, head) a token takes 67,584 bytes (half, plus 3% of scales): about 29 requests (30
+   with one scale per layer, as fp8 caches use). On a chat server I would pull the **bits** lever
+   first: an 8-bit (fp8 or int8) cache halves the memory of every token in flight for well under 1% of
+   perplexity, changes nothing the model can see, and engines have kernels for it. A sliding window
+   changes what the model can attend to (it forgets the start of long chats) and weight quantization
+   saves a fixed amount (8 GB here) that does not grow with the traffic. (A reasoned other choice,
+   for example weights first on a server with few, short requests, is fine.)
+2. Memory is handed out in blocks: the block table maps whole blocks, the pool's unit is a block, and a
+   single freed slot inside a block could not be given to anyone else (the block is still in use for
+   its other tokens). So a block goes when none of its tokens is in the window, and the window keeps
+   between `N` and `N + block_size - 1` tokens: at most `block_size - 1` tokens more than the window
+   per sequence (15 tokens with blocks of 16: 15 x 23,040 bytes = 345 KB for SmolLM2 in bf16), besides
+   the usual partly filled last block of any paged cache.
+""", rubric=r"""
+- 0.5: question 1: about 15 requests in bf16 and about 29-30 with int8 (from the plot or the formula),
+  and a lever chosen with a reason that weighs memory saved against quality or behaviour.
+- 0.5: question 2: the block is the allocation unit (a partial block cannot be reused); at most
+  block_size - 1 extra tokens per sequence.
+"""),
+md(r"""
 3. Your window mask's row t is the cache at length t + 1. What goes wrong if you use length t instead?
    Which positions change?
 4. Why does a plain window get worse exactly when the first token leaves, and not gradually as the window
    gets smaller relative to the text? What did the attention measurement show?
+"""),
+answer("mask_sinks_answer", 1, "questions 3 and 4", model=r"""
+3. When token `t` is processed its own key has already been written, so the cache holds `t + 1`
+   tokens, and that length decides which blocks are kept. With length `t` the rule keeps block `i` when
+   `i >= (t - window) // block_size` instead of `(t + 1 - window) // block_size`: the two differ exactly
+   when `t + 1 - window` is a positive multiple of `block_size`, the rows `t = window - 1 + k x block_size`
+   (k = 1, 2, ...) at which the decode has just evicted its oldest window block. At those rows the mask
+   would still show the evicted block: the masked pass sees one block more than the decode, and its
+   logits at those positions (one row per block of the text) no longer match the decode's. Every other
+   row is the same.
+4. Trained models park the attention a head does not need on the first tokens, which every query has
+   always been able to see (attention sinks). While token 0 is visible, losing middle tokens costs
+   little: their share of attention was small. When the first block leaves, the mass parked there must
+   go to recent tokens instead, every layer's output shifts at once, and the loss jumps and stays up.
+   (Example, CPU, the held-out text, queries at positions 128-255:) the layers gave token 0 about 31%
+   of their attention on average and up to 64% (several late layers 40-60%), where an even spread would
+   give it about 0.5%.
+""", rubric=r"""
+- 0.5: question 3: the query's own token is already in the cache (length t + 1); with length t the mask
+  keeps a block the decode already evicted, at the rows where the window crosses a block boundary
+  (t + 1 - window a multiple of block_size).
+- 0.5: question 4: attention sinks: heads park attention on the first token(s), so losing them shifts
+  every layer at once; the student's measured share on token 0 against the even-spread share.
+"""),
+md(r"""
 5. A per-layer fp8 scale must be chosen before any token is seen. What happens to values larger than
    448 x scale, and to values far smaller than the scale? Where do engines get that scale?
 6. Count the bytes one decode step reads from the cache in bf16 and in int8 per head. Was your int8
    attention faster on this machine, by that ratio? What does the reference write besides reading the
    codes, and what would a fused kernel read instead?
+"""),
+answer("fp8_int8_bytes_answer", 1, "questions 5 and 6", model=r"""
+5. Values beyond `448 x scale` fall outside e4m3's range: clamped, they saturate at 448 (an outlier is
+   cut down, a large error); unclamped, many converters and kernels make them NaN (e4m3fn has no
+   infinity). Values far below the scale land where e4m3 is no longer relative: below `2^-6 x scale` the
+   steps stay at `2^-9 x scale`, so they lose precision and the tiniest round to 0. Engines take the
+   scale from **calibration**: the checkpoint ships per-layer K and V scales measured on sample data
+   (quantization tools such as llm-compressor or ModelOpt), or the engine measures the first batches
+   at run time; without either, vLLM uses 1.0.
+6. Per token and KV head, one decode step reads K and V: in bf16 `2 x 64 x 2` = 256 bytes; in int8
+   `2 x 64 x 1` = 128 bytes, plus the two float32 scales of a (token, head) group, 8 bytes: 136 bytes,
+   about half. The int8 attention was not faster here (on a CPU it was about as fast or slower: the
+   student quotes their timings). Besides reading the codes, the reference gathers the blocks into new
+   tensors and writes a float32 copy of every key and value (`codes x scale`, 512 bytes per token and
+   head), which attention then reads again: more bytes than the bf16 path moves. A fused kernel would
+   read only the codes and scales (136 bytes per token and head), convert them in registers and never
+   write the float copy.
+""", rubric=r"""
+- 0.5: question 5: saturation or NaN above the range, lost precision and underflow far below the
+  scale, and calibration as the scale's source.
+- 0.5: question 6: 256 against 136 (or 128 plus scales) bytes per token and head, the student's timing
+  (not faster, with why: the dequantized float copy written and read again), and a fused kernel that
+  reads codes and scales only.
+"""),
+md(r"""
 7. Why could you rebuild the Q4_1 file exactly, while re-quantizing with groups of 64 lost so much?
 8. Where does a window + sinks cache stop being enough? Think of a question about the first page of a
    long document asked at its end.
+"""),
+answer("q4_window_limits_answer", 1, "questions 7 and 8", model=r"""
+7. The float32 model is the Q4_1 file decoded: every group of 32 weights takes at most 16 values, on
+   the grid `m + code x d`, and holds its own minimum (code 0) and maximum (code 15). Quantizing the same
+   groups again finds the same `m` and `d` and puts every weight exactly on a code: lossless, so the
+   bytes match the file. A group of 64 joins two groups with different grids: its range covers both,
+   its step (range over 15) is coarser, and its grid lines up with neither, so every weight is rounded
+   a second time, to a coarser step: a new, larger error on top of the first quantization.
+8. When the answer needs tokens that have left the window: a question about the first page of a long
+   document, asked at its end. The sinks keep only the first block (a title and a few words): they
+   restore the model's attention habits (its fluency, its perplexity), not its memory. The page's keys
+   and values are gone, so the model cannot read them and will guess or make something up. That needs
+   the full cache (or offloading it), retrieval that brings the page back, or eviction that keeps the
+   tokens that matter (H2O, SnapKV) instead of the oldest.
+""", rubric=r"""
+- 0.5: question 7: the weights already sit on each group's Q4_1 grid (same min, max and step found
+  again), while 64-weight groups impose a coarser grid that matches neither, re-rounding every weight.
+- 0.5: question 8: information that left the window cannot be recovered; sinks fix fluency, not
+  recall; a remedy is a plus.
+"""),
+md(r"""
 
 ## Going further
 

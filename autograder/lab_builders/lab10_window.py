@@ -68,8 +68,9 @@ def _alloc_stress(window, sink, bs, n_blocks, n_ops, seed):
                 "a table keeps one entry per logical block (None for an evicted one): never delete entries"
             kept = _ref_kept(len(toks), window, sink, bs)
             got = [i for i, b in enumerate(table) if b is not None]
-            assert got == kept, (f"window {window}, sink {sink}, blocks of {bs}, {len(toks)} tokens: logical blocks "
-                                 f"{kept} must be kept, the table keeps {got}")
+            assert got == kept, (f"window {window}, sink {sink}, blocks of {bs}, {len(toks)} tokens: the table keeps logical "
+                                 f"blocks {got}, which is wrong: keep block b while it holds a sink position "
+                                 "(b * block_size < sink) or one of the last `window` positions")
             for b in table:
                 if b is not None:
                     users[b] = users.get(b, 0) + 1
@@ -156,7 +157,8 @@ want = picture(["x.......",
                 "xx..xxx.",     # length 7: the window is 4, 5, 6; block 1 (2, 3) is out; block 0 is the sink
                 "xx..xxxx"])
 bad = [(t, j) for t in range(8) for j in range(8) if bool(got[t, j]) != bool(want[t, j])]
-assert not bad, f"window 3, sink 1, blocks of 2: wrong at (query, key) {bad[:6]}; row t is the cache at length t + 1"
+assert not bad, (f"window 3, sink 1, blocks of 2: wrong at (query, key) {bad[:6]}; row t is the cache at length t + 1, whose "
+                 "window starts at position t + 1 - window: a block is kept while it holds a position >= t + 1 - window, or a sink")
 got = expect_tensor(window_mask(8, 3, 0, 2, device=dev), "window_mask(8, 3, 0, 2)", dtype=torch.bool, shape=(8, 8), device=dev)
 assert got[7].tolist() == [False] * 4 + [True] * 4 and got[6].tolist() == [False] * 4 + [True] * 3 + [False], \
     "no sink: the first blocks leave like any other; query 6 sees 4, 5, 6 and never a later key"
@@ -196,6 +198,9 @@ The rest is given: `kept_table(seq)` lists the kept blocks in order and `kept_le
 tokens; they are what attention reads (section 3). `fork` and `free` skip the `None` entries.
 
 **Deliverable:** `WindowAllocator.evict(seq)`.
+
+Graded case by case: each scenario of the tests earns its share of the 4 points, and the feedback lists the
+cases that failed.
 """),
 solution("window_allocator", r'''
 class WindowAllocator(BlockAllocator):
@@ -296,56 +301,87 @@ goes back to the pool; a few steps later the same physical id (`P...`) comes bac
 tokens. The sequence runs forever on a handful of blocks. With sinks the first block never leaves.
 """),
 tests("window_allocator_tests", 4, r"""
-a = WindowAllocator(n_blocks=8, block_size=4, window=6)
-for _ in range(14):
-    a.append("s", 1)
-t = expect_type(a.block_tables["s"], "block_tables['s']", list)
-assert len(t) == 4 and t[:2] == [None, None] and None not in t[2:], \
-    f"after 14 tokens with a window of 6 (positions 8..13), blocks L0 (0-3) and L1 (4-7) are evicted, L2 and L3 kept: got {t}"
-assert a.n_free == 6 and sorted(a.free_blocks) == [0, 1, 4, 5, 6, 7], "the two evicted blocks are back in the free list"
-assert a.kept_table("s") == [2, 3] and a.kept_len("s") == 6 and a.slot("s", 13) == 3 * 4 + 1, "kept: L2 and L3"
-b = WindowAllocator(n_blocks=8, block_size=4, window=6)
-BlockAllocator.append(b, "p", 14)                          # 14 tokens with no eviction yet
-dropped = expect_ints(b.evict("p"), "evict('p')", length=2)
-assert dropped == [0, 1] and b.block_tables["p"] == [None, None, 2, 3], "evict returns the dropped blocks in logical order"
-assert expect_ints(b.evict("p"), "evict('p') again", length=0) == [], "nothing left to drop: an empty list"
-c = WindowAllocator(n_blocks=8, block_size=4, window=6, sink=2)
-c.append("s", 14)
-assert c.block_tables["s"] == [0, None, 2, 3], "sink 2 keeps block L0 (a whole block) for good; L1 is evicted"
-assert c.kept_len("s") == 10 and c.n_free == 5, "kept: L0 (the sink), L2, L3: 10 tokens; 5 blocks free"
-c.append("s", 1)                                           # 15 tokens: the window is 9..14, L2 (8..11) still holds 9, 10, 11
-assert c.block_tables["s"] == [0, None, 2, 3], "a block stays while any of its tokens is in the window"
-c.append("s", 2)                                           # 17 tokens: window 11..16, L2 still holds 11
-assert c.block_tables["s"][2] == 2, "at 17 tokens the window is 11..16: L2 still holds 11"
-c.append("s", 1)                                           # 18 tokens: window 12..17, L2 (8..11) is out
-assert c.block_tables["s"][:3] == [0, None, None], "at 18 tokens the window starts at 12: L2 leaves"
+from course.expect import Cases
+cases = Cases(points=4)        # one share of the 4 points per case: the feedback lists the cases that failed
+def grown(n_tokens, window=6, sink=0, one_at_a_time=True):   # a sequence "s" in 8 blocks of 4
+    a = WindowAllocator(n_blocks=8, block_size=4, window=window, sink=sink)
+    for _ in range(n_tokens if one_at_a_time else 1):
+        a.append("s", 1 if one_at_a_time else n_tokens)
+    expect_type(a.block_tables["s"], "block_tables['s']", list)
+    return a
+with cases("14 tokens, window 6: the first two blocks are evicted"):
+    a = grown(14)
+    t = a.block_tables["s"]
+    assert len(t) == 4 and t[:2] == [None, None] and None not in t[2:], \
+        f"after 14 tokens with a window of 6 (positions 8..13), blocks L0 (0-3) and L1 (4-7) are evicted, L2 and L3 kept: got {t}"
+    assert a.n_free == 6 and sorted(a.free_blocks) == [0, 1, 4, 5, 6, 7], "the two evicted blocks are back in the free list"
+with cases("what attention reads after an eviction"):
+    a = grown(14)
+    assert a.block_tables["s"][:2] == [None, None], "after 14 tokens with a window of 6, blocks L0 and L1 are evicted (None)"
+    assert a.kept_table("s") == [2, 3] and a.kept_len("s") == 6 and a.slot("s", 13) == 3 * 4 + 1, "kept: L2 and L3"
+def unevicted():               # 14 tokens appended with no eviction yet
+    b = WindowAllocator(n_blocks=8, block_size=4, window=6)
+    BlockAllocator.append(b, "p", 14)
+    return b
+with cases("evict returns the dropped blocks in logical order"):
+    b = unevicted()
+    dropped = expect_ints(b.evict("p"), "evict('p')", length=2)
+    assert dropped == [0, 1] and b.block_tables["p"] == [None, None, 2, 3], "evict returns the dropped blocks in logical order"
+with cases("evict with nothing to drop returns an empty list"):
+    b = unevicted()
+    expect_ints(b.evict("p"), "evict('p')", length=2)
+    assert expect_ints(b.evict("p"), "evict('p') again", length=0) == [], "nothing left to drop: an empty list"
+with cases("a sink keeps its whole block for good"):
+    c = grown(14, sink=2, one_at_a_time=False)
+    assert c.block_tables["s"] == [0, None, 2, 3], "sink 2 keeps block L0 (a whole block) for good; L1 is evicted"
+    assert c.kept_len("s") == 10 and c.n_free == 5, "kept: L0 (the sink), L2, L3: 10 tokens; 5 blocks free"
+with cases("a block stays while any of its tokens is in the window"):
+    c = grown(14, sink=2, one_at_a_time=False)
+    c.append("s", 1)                                       # 15 tokens: the window is 9..14, L2 (8..11) still holds 9, 10, 11
+    assert c.block_tables["s"] == [0, None, 2, 3], "a block stays while any of its tokens is in the window"
+    c.append("s", 2)                                       # 17 tokens: window 11..16, L2 still holds 11
+    assert c.block_tables["s"][:3] == [0, None, 2], "at 17 tokens the window is 11..16: L2 still holds 11"
+with cases("a block leaves with its last token"):
+    c = grown(14, sink=2, one_at_a_time=False)
+    c.append("s", 1); c.append("s", 2); c.append("s", 1)   # 18 tokens: window 12..17, L2 (8..11) is out
+    assert c.block_tables["s"][:3] == [0, None, None], "at 18 tokens the window starts at 12: L2 leaves"
 ### BEGIN HIDDEN TESTS
 import random
 """ + HIDDEN_ALLOC_REF + r"""
 # forks: a block the child drops stays allocated while the parent holds it
-a = WindowAllocator(n_blocks=10, block_size=4, window=4)
-a.append("p", 8)                                           # window 4..7: L0 already evicted
-a.fork("p", "c")
-before = list(a.block_tables["p"])
-a.append("c", 4)                                           # the child's window moves to 8..11: it drops L1
-assert a.block_tables["c"][1] is None and a.block_tables["p"] == before, "the child's eviction leaves the parent's table alone"
-shared = before[1]
-assert a.ref_count[shared] == 1 and shared not in a.free_blocks, \
-    "the parent still holds the block the child dropped: one reference released, not freed"
-a.free("p")
-assert shared in a.free_blocks and a.ref_count[shared] == 0, "freed once its last user is gone"
-a.free("c")
-assert a.n_free == 10 and sorted(a.free_blocks) == list(range(10)), "every block free once, no double free"
+def forked_and_grown():
+    a = WindowAllocator(n_blocks=10, block_size=4, window=4)
+    a.append("p", 8)                                       # window 4..7: L0 already evicted
+    a.fork("p", "c")
+    before = list(a.block_tables["p"])
+    a.append("c", 4)                                       # the child's window moves to 8..11: it drops L1
+    assert a.block_tables["c"][1] is None, "at 12 tokens with a window of 4, the child drops L1"
+    return a, before
+with cases("a fork's eviction leaves the parent's table and blocks"):
+    a, before = forked_and_grown()
+    assert a.block_tables["p"] == before, "the child's eviction leaves the parent's table alone"
+    shared = before[1]
+    assert a.ref_count[shared] == 1 and shared not in a.free_blocks, \
+        "the parent still holds the block the child dropped: one reference released, not freed"
+with cases("a block dropped by a fork is freed with its last user"):
+    a, before = forked_and_grown()
+    shared = before[1]
+    a.free("p")
+    assert shared in a.free_blocks and a.ref_count[shared] == 0, "freed once its last user is gone"
+    a.free("c")
+    assert a.n_free == 10 and sorted(a.free_blocks) == list(range(10)), "every block free once, no double free"
 # exact boundaries, with and without sinks, appends of any size; random traffic with forks and frees
 for window, sink, bs, n_blocks, seed in ((4, 0, 4, 14, 1), (5, 0, 4, 14, 2), (7, 3, 4, 16, 3), (6, 8, 4, 16, 4),
                                          (1, 0, 1, 12, 5), (3, 1, 2, 14, 6), (16, 16, 8, 20, 7), (9, 2, 3, 16, 8)):
-    _alloc_stress(window, sink, bs, n_blocks, 200, seed)
-# a long sequence on a tiny pool: constant memory
-a = WindowAllocator(n_blocks=5, block_size=4, window=8, sink=1)
-for _ in range(200):
-    a.append("s", 1)
-assert a.kept_len("s") == 4 + 8 and len(a.kept_table("s")) == 3, "after 200 tokens: the sink block and the 2 blocks of the window"
+    with cases(f"random traffic with forks: window {window}, sink {sink}, blocks of {bs}"):
+        _alloc_stress(window, sink, bs, n_blocks, 200, seed)
+with cases("a long sequence on a tiny pool: constant memory"):
+    a = WindowAllocator(n_blocks=5, block_size=4, window=8, sink=1)
+    for _ in range(200):
+        a.append("s", 1)
+    assert a.kept_len("s") == 4 + 8 and len(a.kept_table("s")) == 3, "after 200 tokens: the sink block and the 2 blocks of the window"
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ## 3. Prove it: a paged decode with a window

@@ -2,35 +2,82 @@
 uvicorn in a thread, curl, the openai client, /metrics, and what a server must survive."""
 from autograder.authoring import code, md, solution, tests
 
-# Hidden cases for Problem 4: (body, status, param, code) for bad bodies; expected fields for good ones.
+# Hidden cases for Problem 4: (body, status, param, code, the rule it breaks) for bad bodies.
 HIDDEN_BODIES = r'''
 _M = "served"
 _tok = lambda s: [ord(c) for c in s]                  # a tokenizer: one token per character
 def _j(**kw):
     return json.dumps({"model": _M, "prompt": "hello"} | kw)
+_NOT_JSON = "not JSON (or not UTF-8): 400 with param None"
+_NOT_OBJECT = "JSON that is not an object: 400 with param None"
+_BOOL = "JSON true/false is a bool, not a number: compare type(value) with FIELDS, not isinstance (bool is a subclass of int)"
 _BAD = [
-    (b"", 400, None, None), (b"{\"model\": ", 400, None, None), (b"\xff\xfe{}", 400, None, None),
-    (b"null", 400, None, None), (b"\"text\"", 400, None, None), (b"[1, 2]", 400, None, None), (b"42", 400, None, None),
-    (_j(best_of=2), 400, "best_of", None), (_j(logprobs=1), 400, "logprobs", None),
-    (json.dumps({"prompt": "x"}), 400, "model", None), (json.dumps({"model": _M}), 400, "prompt", None),
-    (_j(model=7), 400, "model", None), (_j(model="other"), 404, "model", "model_not_found"),
-    (_j(prompt=5), 400, "prompt", None), (_j(prompt=None), 400, "prompt", None), (_j(prompt=""), 400, "prompt", None),
-    (_j(prompt=[]), 400, "prompt", None), (_j(prompt=["a", "b"]), 400, "prompt", None),
-    (_j(prompt=[1, "a"]), 400, "prompt", None), (_j(prompt=[1, True]), 400, "prompt", None), (_j(prompt=[1.0]), 400, "prompt", None),
-    (_j(max_tokens=0), 400, "max_tokens", None), (_j(max_tokens=-5), 400, "max_tokens", None),
-    (_j(max_tokens=True), 400, "max_tokens", None), (_j(max_tokens=3.0), 400, "max_tokens", None), (_j(max_tokens="3"), 400, "max_tokens", None),
-    (_j(temperature=-0.1), 400, "temperature", None), (_j(temperature=2.5), 400, "temperature", None),
-    (_j(temperature="hot"), 400, "temperature", None), (_j(temperature=True), 400, "temperature", None),
-    ('{"model": "served", "prompt": "hi", "temperature": NaN}', 400, "temperature", None),
-    ('{"model": "served", "prompt": "hi", "top_p": Infinity}', 400, "top_p", None),
-    (_j(top_p=0), 400, "top_p", None), (_j(top_p=1.5), 400, "top_p", None), (_j(top_p=None), 400, "top_p", None),
-    (_j(seed="1"), 400, "seed", None), (_j(seed=1.5), 400, "seed", None), (_j(seed=False), 400, "seed", None),
-    (_j(stop=""), 400, "stop", None), (_j(stop=[""]), 400, "stop", None), (_j(stop=[1]), 400, "stop", None),
-    (_j(stop=["a", "b", "c", "d", "e"]), 400, "stop", None), (_j(stop=7), 400, "stop", None),
-    (_j(stream="yes"), 400, "stream", None), (_j(stream=1), 400, "stream", None),
-    (_j(stream_options=True), 400, "stream_options", None), (_j(ignore_eos="no"), 400, "ignore_eos", None),
-    (_j(prompt="x" * 95, max_tokens=6), 400, "prompt", "context_length_exceeded"),
-    (_j(prompt=list(range(101))), 400, "prompt", "context_length_exceeded"),
+    (b"", 400, None, None, _NOT_JSON), (b"{\"model\": ", 400, None, None, _NOT_JSON),
+    (b"\xff\xfe{}", 400, None, None, _NOT_JSON),
+    (b"null", 400, None, None, _NOT_OBJECT), (b"\"text\"", 400, None, None, _NOT_OBJECT),
+    (b"[1, 2]", 400, None, None, _NOT_OBJECT), (b"42", 400, None, None, _NOT_OBJECT),
+    (_j(best_of=2), 400, "best_of", None, "a field not in FIELDS is refused, naming it"),
+    (_j(logprobs=1), 400, "logprobs", None, "a field not in FIELDS is refused, naming it"),
+    (json.dumps({"prompt": "x"}), 400, "model", None, "model is required"),
+    (json.dumps({"model": _M}), 400, "prompt", None, "prompt is required"),
+    (_j(model=7), 400, "model", None, "model must be a string"),
+    (_j(model="other"), 404, "model", "model_not_found", "a model that is not served_model: 404, code model_not_found"),
+    (_j(prompt=5), 400, "prompt", None, "prompt must be a string or a list"),
+    (_j(prompt=None), 400, "prompt", None, "JSON null is not an allowed type for prompt"),
+    (_j(prompt=""), 400, "prompt", None, "an empty prompt string is refused"),
+    (_j(prompt=[]), 400, "prompt", None, "an empty prompt list is refused"),
+    (_j(prompt=["a", "b"]), 400, "prompt", None, "a list prompt holds token ids (integers), not strings"),
+    (_j(prompt=[1, "a"]), 400, "prompt", None, "every item of a list prompt must be an integer"),
+    (_j(prompt=[1, True]), 400, "prompt", None, "true in a list prompt is a bool, not a token id: check type(t) is int"),
+    (_j(prompt=[1.0]), 400, "prompt", None, "1.0 is a float, not a token id"),
+    (_j(max_tokens=0), 400, "max_tokens", None, "max_tokens must be at least 1"),
+    (_j(max_tokens=-5), 400, "max_tokens", None, "max_tokens must be at least 1"),
+    (_j(max_tokens=True), 400, "max_tokens", None, _BOOL),
+    (_j(max_tokens=3.0), 400, "max_tokens", None, "max_tokens must be an integer: 3.0 is a float"),
+    (_j(max_tokens="3"), 400, "max_tokens", None, "max_tokens must be an integer, not a string"),
+    (_j(temperature=-0.1), 400, "temperature", None, "temperature must be in [0, 2]"),
+    (_j(temperature=2.5), 400, "temperature", None, "temperature must be in [0, 2]"),
+    (_j(temperature="hot"), 400, "temperature", None, "temperature must be a number"),
+    (_j(temperature=True), 400, "temperature", None, _BOOL),
+    ('{"model": "served", "prompt": "hi", "temperature": NaN}', 400, "temperature", None,
+     "json.loads accepts NaN: NaN is in no range (every comparison with it is False)"),
+    ('{"model": "served", "prompt": "hi", "top_p": Infinity}', 400, "top_p", None, "Infinity is outside (0, 1]"),
+    (_j(top_p=0), 400, "top_p", None, "top_p must be in (0, 1]: 0 is excluded"),
+    (_j(top_p=1.5), 400, "top_p", None, "top_p must be in (0, 1]"),
+    (_j(top_p=None), 400, "top_p", None, "JSON null is not a number"),
+    (_j(seed="1"), 400, "seed", None, "seed must be an integer, not a string"),
+    (_j(seed=1.5), 400, "seed", None, "seed must be an integer"),
+    (_j(seed=False), 400, "seed", None, _BOOL),
+    (_j(stop=""), 400, "stop", None, "an empty stop string is refused"),
+    (_j(stop=[""]), 400, "stop", None, "every stop string must be non-empty"),
+    (_j(stop=[1]), 400, "stop", None, "stop strings must be strings"),
+    (_j(stop=["a", "b", "c", "d", "e"]), 400, "stop", None, "at most 4 stop strings"),
+    (_j(stop=7), 400, "stop", None, "stop must be a string or a list"),
+    (_j(stream="yes"), 400, "stream", None, "stream must be true or false"),
+    (_j(stream=1), 400, "stream", None, "stream must be a bool: 1 is an integer"),
+    (_j(stream_options=True), 400, "stream_options", None, "stream_options must be an object"),
+    (_j(ignore_eos="no"), 400, "ignore_eos", None, "ignore_eos must be true or false"),
+    (_j(prompt="x" * 95, max_tokens=6), 400, "prompt", "context_length_exceeded",
+     "prompt tokens + max_tokens > max_model_len: the context does not fit"),
+    (_j(prompt=list(range(101))), 400, "prompt", "context_length_exceeded",
+     "prompt tokens + max_tokens > max_model_len (max_tokens defaults to 16)"),
+]
+_FULL = "the context may be exactly full: prompt tokens + max_tokens == max_model_len is allowed (refuse only when it is >)"
+# what is accepted: ints for numbers, the edges of every range, the context exactly full, four stop strings
+_GOOD = [
+    (_j(temperature=1), dict(temperature=1.0), "an integer temperature is allowed, as a float"),
+    (_j(temperature=2), dict(temperature=2.0), "temperature 2 is allowed: the range [0, 2] includes both ends"),
+    (_j(temperature=0.0), dict(temperature=0.0), "temperature 0 is allowed: the range [0, 2] includes both ends"),
+    (_j(top_p=1), dict(top_p=1.0), "top_p 1 is allowed: the range (0, 1] includes 1"),
+    (_j(top_p=0.01), dict(top_p=0.01), "a small top_p above 0 is allowed"),
+    (_j(seed=0), dict(seed=0), "seed 0 is a seed (not 'no seed')"),
+    (_j(prompt="x" * 94, max_tokens=6), dict(max_tokens=6, n=94), _FULL),
+    (_j(prompt=list(range(99)), max_tokens=1), dict(max_tokens=1, n=99), _FULL),
+    (_j(stop=["a", "b", "c", "d"]), dict(stop=["a", "b", "c", "d"]), "four stop strings are allowed"),
+    (_j(stop=[]), dict(stop=[]), "an empty list of stop strings is allowed"),
+    (_j(stream=False, ignore_eos=True), dict(ignore_eos=True), "ignore_eos is passed on"),
+    (_j(stream=True, stream_options={}), dict(stream=True, include_usage=False),
+     "stream_options without include_usage: include_usage is False"),
 ]
 '''.strip("\n")
 
@@ -87,6 +134,9 @@ floats (JSON `1` becomes `1.0`; defaults 1.0, 1.0, None),
 `stop` as a list (a string becomes a one-item list; default `[]`), `stream` (default False),
 `include_usage` from `stream_options` (`{"include_usage": true}`; default False) and `ignore_eos`
 (default False, a vLLM extension the load generator uses).
+
+The tests send many bodies, good and bad, and each one is a case of its own: a slip at one boundary
+costs that case's share of the 4 points, not all of them, and the feedback lists the cases that failed.
 """),
 solution("parse_completion", r'''
 FIELDS = {"model": (str,), "prompt": (str, list), "max_tokens": (int,), "temperature": (int, float),
@@ -153,75 +203,97 @@ for body in [b'{"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 
         print(e.status, e.body())
 '''),
 tests("parse_completion_tests", 4, r"""
+import re
+from course.expect import Cases
+cases = Cases(points=4)        # one share of the 4 points per case: the feedback lists the cases that failed
 tok = lambda s: [ord(c) for c in s]
-def refused(body, status, param, code=None):
+def short(body):               # a body as a case names it: long runs shortened
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    text = re.sub(r"(.)\1{9,}", lambda m: f"{m.group(1)}...({len(m.group(0))} times)", text)
+    return re.sub(r"\[(?:\d+, ){9,}\d+\]", lambda m: f"[{m.group(0).count(',') + 1} token ids]", text)
+def refused(body, status, param, code=None, why=""):
+    body = body if isinstance(body, bytes) else body.encode()
     try:
-        got = parse_completion(body if isinstance(body, bytes) else body.encode(), "served", tok, 100)
+        got = parse_completion(body, "served", tok, 100)
     except APIError as e:
-        expect_int(e.status, f"the status for {body!r}")
-        expect_type(e.param, f"the param for {body!r}", str, type(None))
-        expect_type(e.code, f"the code for {body!r}", str, type(None))
+        expect_int(e.status, f"the status for {short(body)}")
+        expect_type(e.param, f"the param for {short(body)}", str, type(None))
+        expect_type(e.code, f"the code for {short(body)}", str, type(None))
         assert e.status == status and e.param == param, \
-            f"{body!r}: expected status {status} with param {param!r}, got {e.status} with param {e.param!r} ({e.message})"
-        assert code is None or e.code == code, f"{body!r}: expected code {code!r}, got {e.code!r}"
+            f"{why}: must be refused with status {status} and param {param!r}, got {e.status} with param {e.param!r} ({e.message})"
+        assert code is None or e.code == code, f"{why}: the error's code must be {code!r}, got {e.code!r}"
         return
-    raise AssertionError(f"{body!r} must raise APIError({status}, param={param!r}); it returned {type(got).__name__}")
-ok = expect_type(parse_completion(b'{"model": "served", "prompt": "hi"}', "served", tok, 100), "parse_completion(...)", GenerationRequest)
-assert expect_ints(ok.prompt_ids, "prompt_ids") == [104, 105] and expect_int(ok.max_tokens, "max_tokens") == 16, \
-    "a string prompt is tokenized; max_tokens defaults to 16"
-expect_type(ok.params, "params", SamplingParams)
-assert expect_type(ok.stop, "stop", list) == [] and expect_bool(ok.stream, "stream") is False, "stop defaults to [], stream to False"
-assert ok.params.temperature == 1.0 and ok.params.top_p == 1.0 and ok.params.seed is None, \
-    "temperature and top_p default to 1.0, seed to None"
-full = parse_completion(json.dumps({"model": "served", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "top_p": 0.5,
-                                    "seed": 9, "stop": "\n", "stream": True, "stream_options": {"include_usage": True}}).encode(),
-                        "served", tok, 100)
-expect_type(full, "parse_completion(...)", GenerationRequest)
-assert expect_ints(full.prompt_ids, "prompt_ids") == [5, 6, 7], "a list of token ids is the prompt as it is"
-assert full.params.temperature == 0.0 and full.params.top_p == 0.5 and full.params.seed == 9, "temperature, top_p, seed go into params"
-assert full.stop == ["\n"] and full.stream is True and full.include_usage is True, "stop as a list; stream; include_usage"
-refused(b"{not json", 400, None)
-refused(b'{"model": "served", "prompt": "hi", "foo": 1}', 400, "foo")
-refused(b'{"prompt": "hi"}', 400, "model")
-refused(b'{"model": "served", "prompt": "hi", "max_tokens": "10"}', 400, "max_tokens")
-refused(b'{"model": "served", "prompt": "hi", "max_tokens": true}', 400, "max_tokens")
-refused(b'{"model": "served", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens")
-refused(b'{"model": "gpt-4o", "prompt": "hi"}', 404, "model", "model_not_found")
-refused(json.dumps({"model": "served", "prompt": "x" * 90, "max_tokens": 11}), 400, "prompt", "context_length_exceeded")
+    raise AssertionError(f"{why}: must raise APIError({status}, param={param!r}); it returned {type(got).__name__}")
+def accepted(body, why, model="served"):
+    body = body if isinstance(body, bytes) else body.encode()
+    try:
+        got = parse_completion(body, model, tok, 100)
+    except APIError as e:
+        raise AssertionError(f"{why}: must be accepted; it raised APIError({e.status}, param={e.param!r}): {e.message}") from None
+    got = expect_type(got, f"parse_completion({short(body)}, ...)", GenerationRequest)
+    expect_type(got.params, "params", SamplingParams)
+    return got
+with cases("a string prompt, every default"):
+    ok = accepted(b'{"model": "served", "prompt": "hi"}', "a model and a prompt are all a request needs")
+    assert expect_ints(ok.prompt_ids, "prompt_ids") == [104, 105] and expect_int(ok.max_tokens, "max_tokens") == 16, \
+        "a string prompt is tokenized; max_tokens defaults to 16"
+    assert expect_type(ok.stop, "stop", list) == [] and expect_bool(ok.stream, "stream") is False, "stop defaults to [], stream to False"
+    assert ok.params.temperature == 1.0 and ok.params.top_p == 1.0 and ok.params.seed is None, \
+        "temperature and top_p default to 1.0, seed to None"
+with cases("every field given"):
+    full = accepted(json.dumps({"model": "served", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "top_p": 0.5,
+                                "seed": 9, "stop": "\n", "stream": True, "stream_options": {"include_usage": True}}),
+                    "every field within its range")
+    assert expect_ints(full.prompt_ids, "prompt_ids") == [5, 6, 7], "a list of token ids is the prompt as it is"
+    assert full.params.temperature == 0.0 and full.params.top_p == 0.5 and full.params.seed == 9, "temperature, top_p, seed go into params"
+    assert full.stop == ["\n"] and full.stream is True and full.include_usage is True, "stop as a list; stream; include_usage"
+for body, status, param, code, why in [
+        (b"{not json", 400, None, None, "not JSON: 400 with param None"),
+        (b'{"model": "served", "prompt": "hi", "foo": 1}', 400, "foo", None, "a field not in FIELDS is refused, naming it"),
+        (b'{"prompt": "hi"}', 400, "model", None, "model is required"),
+        (b'{"model": "served", "prompt": "hi", "max_tokens": "10"}', 400, "max_tokens", None, "max_tokens must be an integer, not a string"),
+        (b'{"model": "served", "prompt": "hi", "max_tokens": true}', 400, "max_tokens", None,
+         "JSON true is a bool, not a number: compare type(value) with FIELDS, not isinstance (bool is a subclass of int)"),
+        (b'{"model": "served", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens", None, "max_tokens must be at least 1"),
+        (b'{"model": "gpt-4o", "prompt": "hi"}', 404, "model", "model_not_found", "a model that is not served_model: 404, code model_not_found"),
+        (json.dumps({"model": "served", "prompt": "x" * 90, "max_tokens": 11}), 400, "prompt", "context_length_exceeded",
+         "90 prompt tokens + 11 to generate > max_model_len 100: the context does not fit")]:
+    with cases(f"refuses {short(body)}"):
+        refused(body, status, param, code, why)
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_BODIES + r"""
-for body, status, param, code in _BAD:
-    refused(body if isinstance(body, bytes) else body.encode(), status, param, code)
-# what is accepted: ints for numbers, the edges of every range, the context exactly full, four stop strings
-for body, want in [
-    (_j(temperature=1), dict(temperature=1.0)), (_j(temperature=2), dict(temperature=2.0)), (_j(temperature=0.0), dict(temperature=0.0)),
-    (_j(top_p=1), dict(top_p=1.0)), (_j(top_p=0.01), dict(top_p=0.01)), (_j(seed=0), dict(seed=0)),
-    (_j(prompt="x" * 94, max_tokens=6), dict(max_tokens=6, n=94)), (_j(prompt=list(range(99)), max_tokens=1), dict(max_tokens=1, n=99)),
-    (_j(stop=["a", "b", "c", "d"]), dict(stop=["a", "b", "c", "d"])), (_j(stop=[]), dict(stop=[])),
-    (_j(stream=False, ignore_eos=True), dict(ignore_eos=True)), (_j(stream=True, stream_options={}), dict(stream=True, include_usage=False)),
-]:
-    got = expect_type(parse_completion(body.encode(), _M, _tok, 100), "parse_completion(...)", GenerationRequest)
-    expect_type(got.params, "params", SamplingParams)
-    prompt = json.loads(body)["prompt"]
-    assert expect_ints(got.prompt_ids, "prompt_ids") == (_tok(prompt) if isinstance(prompt, str) else prompt), f"{body}: prompt_ids"
-    assert len(got.prompt_ids) == want.get("n", 5), f"{body}: the whole prompt"
-    for k in ("temperature", "top_p", "seed"):
-        if k in want:
-            assert getattr(got.params, k) == want[k] and type(getattr(got.params, k)) is type(want[k]), f"{body}: params.{k} must be {want[k]!r}"
-    expect_int(got.max_tokens, "max_tokens")
-    expect_type(got.stop, "stop", list)
-    for k in ("stream", "include_usage", "ignore_eos"):
-        expect_bool(getattr(got, k), k)
-    for k in ("max_tokens", "stop", "stream", "include_usage", "ignore_eos"):
-        if k in want:
-            assert getattr(got, k) == want[k], f"{body}: {k} must be {want[k]!r}, got {getattr(got, k)!r}"
-    assert expect_type(got.model, "model", str) == _M, "model: the served model's name"
-# defaults, and bytes vs str bodies
-d = expect_type(parse_completion(_j().encode(), _M, _tok, 100), "parse_completion(...)", GenerationRequest)
-expect_type(d.params, "params", SamplingParams)
-assert (d.max_tokens, d.stop, d.stream, d.include_usage, d.ignore_eos) == (16, [], False, False, False), "defaults"
-assert (d.params.temperature, d.params.top_p, d.params.seed) == (1.0, 1.0, None), "default sampling settings"
+for body, status, param, code, why in _BAD:
+    with cases(f"refuses {short(body)}"):
+        refused(body, status, param, code, why)
+for body, want, why in _GOOD:
+    with cases(f"accepts {short(body)}"):
+        got = accepted(body, why, _M)
+        prompt = json.loads(body)["prompt"]
+        assert expect_ints(got.prompt_ids, "prompt_ids") == (_tok(prompt) if isinstance(prompt, str) else prompt), \
+            "prompt_ids: the string tokenized, or the list as it is"
+        assert len(got.prompt_ids) == want.get("n", 5), "prompt_ids must hold the whole prompt"
+        for k in ("temperature", "top_p", "seed"):
+            if k in want:
+                v = getattr(got.params, k)
+                assert v == want[k] and type(v) is type(want[k]), \
+                    f"params.{k} is {v!r} ({type(v).__name__}): {why} (temperature and top_p as Python floats; seed as given)"
+        expect_int(got.max_tokens, "max_tokens")
+        expect_type(got.stop, "stop", list)
+        for k in ("stream", "include_usage", "ignore_eos"):
+            expect_bool(getattr(got, k), k)
+        for k in ("max_tokens", "stop", "stream", "include_usage", "ignore_eos"):
+            if k in want:
+                assert getattr(got, k) == want[k], f"{k} is {getattr(got, k)!r}: {why}"
+        assert expect_type(got.model, "model", str) == _M, "model: the served model's name"
+with cases("the defaults, and the served model's name"):
+    d = accepted(_j(), "a plain request", _M)
+    assert (d.max_tokens, d.stop, d.stream, d.include_usage, d.ignore_eos) == (16, [], False, False, False), \
+        "defaults: max_tokens 16, stop [], stream, include_usage and ignore_eos False"
+    assert (d.params.temperature, d.params.top_p, d.params.seed) == (1.0, 1.0, None), \
+        "default sampling settings: temperature 1.0, top_p 1.0, seed None"
+    assert expect_type(d.model, "model", str) == _M, "model: the served model's name"
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ## 5. Serving it

@@ -1,6 +1,6 @@
 """Lab 11, section 7 and the end: Problem 7 (a chunked-prefill scheduler with a token budget), the
 batch timeline of both policies, the measurement under a mixed load, summary and going further."""
-from autograder.authoring import code, md, solution, tests
+from autograder.authoring import answer, code, md, solution, tests
 
 # Hidden reference for Problem 7: an engine simulation written here (sequences, blocks as a counter,
 # arrivals), so only the student's scheduler is under test.
@@ -77,7 +77,8 @@ def _simulate(arrivals, budget, max_running, n_blocks, block_size, seed):
         for s in prefilling_before:
             got = dict((id(p), n) for p, n in plan).get(id(s), 0)
             want = min(s.remaining, max(0, left))
-            assert got == want, f"step {step}: running prefill {s.rid} should get {want} tokens (oldest first), got {got}"
+            assert got == want, (f"step {step}: running prefill {s.rid} got {got} tokens: after the decodes, running prefills, "
+                              "oldest first, each get min(remaining, tokens left)")
             left -= want
         if total < budget and len(running) + len(admitted) < max_running and len(admitted) < len(waiting):
             head = waiting[len(admitted)]
@@ -154,6 +155,9 @@ a list of `(seq, n_tokens)`, and changes neither list nor any sequence (only `ad
 
 The plan never holds more than `budget` tokens, and never an entry with 0 tokens. (The engine checks
 `budget >= max_running`, so every decode fits.)
+
+Graded case by case: each scenario of the tests earns its share of the 4 points, and the feedback lists the
+cases that failed.
 """),
 solution("chunked_scheduler", r'''
 def schedule_chunked(running: list[Seq], waiting: list[Seq], budget: int, max_running: int,
@@ -182,6 +186,8 @@ def schedule_chunked(running: list[Seq], waiting: list[Seq], budget: int, max_ru
     ### END SOLUTION
 '''),
 tests("chunked_scheduler_tests", 4, r"""
+from course.expect import Cases
+cases = Cases(points=4)        # one share of the 4 points per case: the feedback lists the cases that failed
 def seq(rid, n, done=0):                           # a prompt of n tokens, `done` of them computed
     s = Seq(rid, list(range(1, n + 1)), max_tokens=8)
     s.num_computed = done
@@ -191,62 +197,80 @@ def planned(plan):
     return [(expect_type(s, "a planned sequence", Seq).rid, expect_int(n, "a token count"))
             for s, n in (expect_tuple(p, "a plan entry (seq, n)", 2) for p in plan)]
 yes = lambda s: True
-a, b, doc = seq("a", 4, 3), seq("b", 5, 4), seq("doc", 300)     # two decodes (remaining 1 each), a long prompt waiting
-got = planned(schedule_chunked([a, b], [doc], 64, 8, yes))
-assert got == [("a", 1), ("b", 1), ("doc", 62)], f"decodes first (1 token each), then the newcomer gets the other 62 of the 64 tokens; got {got}"
-assert doc.num_computed == 0 and doc.output == [], "the scheduler never changes a sequence"
-doc.num_computed = 62                              # the engine ran the chunk; doc runs now
-got = planned(schedule_chunked([doc, a, b], [], 64, 8, yes))
-assert got == [("a", 1), ("b", 1), ("doc", 62)], f"decodes first wherever they are in running, then the next chunk; got {got}"
-doc.num_computed = 290
-got = planned(schedule_chunked([a, b, doc], [seq("c", 100)], 64, 8, yes))
-assert got == [("a", 1), ("b", 1), ("doc", 10), ("c", 52)], f"doc needs its last 10 tokens; the newcomer takes the 52 left; got {got}"
-asked = []
-got = planned(schedule_chunked([a], [seq("w1", 8), seq("w2", 8)], 64, 8, lambda s: asked.append(s.rid) or False))
-assert got == [("a", 1)] and asked == ["w1"], "admit refuses w1: stop there, without asking for (or admitting) w2 behind it"
-got = planned(schedule_chunked([a, b], [seq("w1", 8), seq("w2", 8)], 64, 3, yes))
-assert got == [("a", 1), ("b", 1), ("w1", 8)], f"max_running=3 with 2 running: admit one newcomer only; got {got}"
+def decodes():                                     # two decodes (remaining 1 each)
+    return seq("a", 4, 3), seq("b", 5, 4)
+with cases("decodes first, then a newcomer's first chunk"):
+    a, b = decodes()
+    doc = seq("doc", 300)                          # a long prompt waiting
+    got = planned(schedule_chunked([a, b], [doc], 64, 8, yes))
+    assert got == [("a", 1), ("b", 1), ("doc", 62)], \
+        f"decodes first (1 token each), then the newcomer gets min(its 300 tokens, the 62 tokens left of the budget of 64); got {got}"
+    assert doc.num_computed == 0 and doc.output == [], "the scheduler never changes a sequence"
+with cases("decodes first wherever they are in running"):
+    a, b = decodes()
+    doc = seq("doc", 300, 62)                      # the engine ran a chunk; doc runs now
+    got = planned(schedule_chunked([doc, a, b], [], 64, 8, yes))
+    assert got == [("a", 1), ("b", 1), ("doc", 62)], f"decodes first wherever they are in running, then the next chunk; got {got}"
+with cases("a running prefill's last chunk, then a newcomer"):
+    a, b = decodes()
+    got = planned(schedule_chunked([a, b, seq("doc", 300, 290)], [seq("c", 100)], 64, 8, yes))
+    assert got == [("a", 1), ("b", 1), ("doc", 10), ("c", 52)], f"doc needs its last 10 tokens; the newcomer takes the 52 left; got {got}"
+with cases("admit refuses: nobody overtakes"):
+    a, b = decodes()
+    asked = []
+    got = planned(schedule_chunked([a], [seq("w1", 8), seq("w2", 8)], 64, 8, lambda s: asked.append(s.rid) or False))
+    assert got == [("a", 1)] and asked == ["w1"], "admit refuses w1: stop there, without asking for (or admitting) w2 behind it"
+with cases("max_running caps the newcomers"):
+    a, b = decodes()
+    got = planned(schedule_chunked([a, b], [seq("w1", 8), seq("w2", 8)], 64, 3, yes))
+    assert got == [("a", 1), ("b", 1), ("w1", 8)], f"max_running=3 with 2 running: admit one newcomer only; got {got}"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_SIM + r"""
 # the budget holds; decodes first every step; running prefills before newcomers; FCFS admission that stops
 # at the first refusal; max_running; a request admitted is planned; every request finishes (no starvation)
 for seed, budget, max_running, n_blocks, bs in ((0, 16, 4, 40, 4), (1, 8, 8, 64, 2), (2, 32, 3, 30, 8), (3, 5, 5, 200, 1),
                                                 (4, 64, 6, 25, 16), (5, 6, 6, 12, 4)):
-    rng = _random.Random(seed)
-    arrivals = {}
-    for i in range(14):
-        arrivals.setdefault(rng.randrange(40), []).append((rng.choice([1, 2, 3, 7, 20, 45]), rng.randint(1, 9), rng.choice([0, 0, 4, 8])))
-    done, waits = _simulate(arrivals, budget, max_running, n_blocks, bs, seed)
-    assert len(done) == 14, f"seed {seed}: {len(done)} of 14 requests finished"
-    for s in done:
-        # after its first token, a decode is served at every step until it finishes: one token per step
-        steps = waits[s.rid]
-        assert steps == list(range(steps[0], steps[0] + len(steps))), \
-            f"seed {seed}: request {s.rid} got tokens at steps {steps}: a decode must get a token at every step"
-# a prefix-cache hit: admit sets num_computed; plan what is left after admit
-s, = _seqs([(50, 4)])
-def _hit(seq):
-    seq.num_computed = 48
-    return True
-plan = _plan([], [s], 100, 4, _hit)
-assert [(p.rid, n) for p, n in plan] == [("r0", 2)], "read remaining after admit(): 48 tokens came from the cache, 2 are left"
-# no budget left: admit is not called; max_running reached: admit is not called
-calls = []
-dec = _seqs([(3, 5, 2)] * 4)
-plan = _plan(dec, _seqs([(9, 2)]), 4, 8, lambda q: calls.append(q) or True)
-assert [n for _, n in plan] == [1, 1, 1, 1] and calls == [], "all 4 tokens went to decodes: admit must not be called"
-plan = _plan(dec[:2], _seqs([(9, 2)]), 50, 2, lambda q: calls.append(q) or True)
-assert [n for _, n in plan] == [1, 1] and calls == [], "max_running reached: admit must not be called"
-# several running prefills: oldest first, each takes what it needs until the budget is gone
-p1, p2, p3 = _seqs([(30, 2, 10), (30, 2, 25), (30, 2, 0)])
-plan = _plan([p1, p2, p3], [], 25, 8, lambda q: True)
-assert [(p.rid, n) for p, n in plan] == [("r0", 20), ("r1", 5)], f"in order: 20 for r0, then the last 5 for r1; got {[(p.rid, n) for p, n in plan]}"
-# a decode placed after a prefill in the running list is still served first
-p, d = _seqs([(40, 2, 0), (4, 2, 3)])
-plan = _plan([p, d], [], 10, 8, lambda q: True)
-assert (d, 1) in plan and dict((q.rid, n) for q, n in plan) == {"r1": 1, "r0": 9}, "decodes first, wherever they are in running"
-assert _plan([], [], 10, 4, lambda q: True) == [], "nothing to do: an empty plan"
+    with cases(f"a simulated run: budget {budget}, max_running {max_running}, {n_blocks} blocks of {bs}"):
+        rng = _random.Random(seed)
+        arrivals = {}
+        for i in range(14):
+            arrivals.setdefault(rng.randrange(40), []).append((rng.choice([1, 2, 3, 7, 20, 45]), rng.randint(1, 9), rng.choice([0, 0, 4, 8])))
+        done, waits = _simulate(arrivals, budget, max_running, n_blocks, bs, seed)
+        assert len(done) == 14, f"seed {seed}: {len(done)} of 14 requests finished"
+        for s in done:
+            # after its first token, a decode is served at every step until it finishes: one token per step
+            steps = waits[s.rid]
+            assert steps == list(range(steps[0], steps[0] + len(steps))), \
+                f"seed {seed}: request {s.rid} got tokens at steps {steps}: a decode must get a token at every step"
+with cases("a prefix-cache hit: plan what is left after admit"):
+    s, = _seqs([(50, 4)])
+    def _hit(seq):
+        seq.num_computed = 48
+        return True
+    plan = _plan([], [s], 100, 4, _hit)
+    assert [(p.rid, n) for p, n in plan] == [("r0", 2)], "read remaining after admit(): 48 tokens came from the cache, 2 are left"
+with cases("no token left: admit is not called"):
+    calls = []
+    plan = _plan(_seqs([(3, 5, 2)] * 4), _seqs([(9, 2)]), 4, 8, lambda q: calls.append(q) or True)
+    assert [n for _, n in plan] == [1, 1, 1, 1] and calls == [], "all 4 tokens went to decodes: admit must not be called"
+with cases("max_running reached: admit is not called"):
+    calls = []
+    plan = _plan(_seqs([(3, 5, 2)] * 2), _seqs([(9, 2)]), 50, 2, lambda q: calls.append(q) or True)
+    assert [n for _, n in plan] == [1, 1] and calls == [], "max_running reached: admit must not be called"
+with cases("several running prefills: oldest first"):
+    p1, p2, p3 = _seqs([(30, 2, 10), (30, 2, 25), (30, 2, 0)])
+    plan = _plan([p1, p2, p3], [], 25, 8, lambda q: True)
+    assert [(p.rid, n) for p, n in plan] == [("r0", 20), ("r1", 5)], \
+        ("three prefills of 30 tokens with 10, 25 and 0 computed, a budget of 25: in order, each takes min(remaining, "
+         f"tokens left), 20 for r0, then the last 5 for r1; got {[(p.rid, n) for p, n in plan]}")
+with cases("a decode after a prefill in running is served first"):
+    p, d = _seqs([(40, 2, 0), (4, 2, 3)])
+    plan = _plan([p, d], [], 10, 8, lambda q: True)
+    assert (d, 1) in plan and dict((q.rid, n) for q, n in plan) == {"r1": 1, "r0": 9}, "decodes first, wherever they are in running"
+with cases("nothing to do: an empty plan"):
+    assert _plan([], [], 10, 4, lambda q: True) == [], "nothing to do: an empty plan"
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ### See it: the two policies on a batch timeline
@@ -394,24 +418,125 @@ regime your device is in.
   shrinks by about the ratio of a long prefill to one budgeted step, for a small cost in throughput
   and a larger TTFT for the long prompts.
 
-**Questions**
+**Questions**. Answer in the cell under each group, in a few sentences of your own and with **your**
+numbers where a question asks for them; a person grades them (5 points in all).
 1. The engine loop runs `core.step()` in a worker thread but applies new requests and aborts on the
    event loop, between steps. What could go wrong if `abort` called `core.abort` directly while a step
    runs? Describe one interleaving.
 2. Why must `TextStream` hold back a tail that could start a stop string, instead of sending it and
    "taking it back" later? What would a client see?
+"""),
+answer("threads_stop_answer", 1, "questions 1 and 2", model=r"""
+1. `core.step()` runs in another thread and reads and changes the core's state (the running list, the
+   block tables, the pool) across a forward pass that takes milliseconds. A direct `core.abort` from
+   the event loop changes the same state in the middle of it. One interleaving: the step builds its
+   batch with request R (its slots and block table); the client hangs up and `core.abort(R)` removes R
+   from `running` and returns its blocks to the pool; the step goes on, writes R's new keys and values
+   into those freed blocks, samples R's token and then finds R gone (a `KeyError`, or a `ValueError`
+   from `list.remove`), or frees R's blocks a second time, putting a block in the free list twice, so
+   that two later requests share it and overwrite each other's cache. Another: the abort removes an
+   item while the step iterates over `running`, which skips a request or raises. Such bugs show once
+   in thousands of requests. Applying aborts on the loop, between steps, makes them impossible.
+2. A stream only goes forward: once text is sent over SSE, the client has shown it (or handed it to
+   its program), and the OpenAI protocol has no way to retract it. If the stream sent `" Use"` and the
+   next token completed `"User:"`, the client would already show `"... Use"`, text the request said it
+   must never see (part of the stop string), and an end where the answer looks cut off; a "take it
+   back" message would be ignored or misread by every existing client. Holding back only the tail that
+   could still become a stop string delays a few characters and never sends anything wrong.
+""", rubric=r"""
+- 0.5: question 1: a concrete interleaving in which the step and abort touch the same state (freed
+  blocks still written, a double free, a list changed during iteration, a missing key), and its effect.
+- 0.5: question 2: sent text cannot be recalled (append-only stream, no retraction in the protocol);
+  the client would show part of the stop string.
+"""),
+md(r"""
 3. A server without `max_waiting` accepts every request. Under an arrival rate above its capacity,
    what happens to TTFT over time? Why is a fast 429 better for the client, and for the other clients?
 4. TPOT and ITL are both "time between tokens". Construct a request for which TPOT is small but the
    ITL p99 of the run is huge. Which one should an SLO for a chat product use?
+"""),
+answer("overload_itl_answer", 1, "questions 3 and 4", model=r"""
+3. Above capacity requests arrive faster than they finish, so the queue grows without bound, linearly
+   with time, and each new request's TTFT (its wait plus its prefill) grows with it: soon past every
+   client's timeout. The server then spends its steps on requests whose clients have given up, goodput
+   falls toward 0 and memory grows. A fast 429 costs the server nothing and tells the client at once
+   to retry later (with backoff) or go to another replica, which a load balancer can do for it; and it
+   keeps the queue bounded, so the requests already admitted keep the latency of a server at capacity
+   instead of everyone waiting longer and longer.
+4. A request of 101 tokens whose 100 gaps are 99 gaps of 10 ms and one of 2 s (the step that prefilled
+   someone else's long document): TPOT = `(99 x 10 + 2,000) / 100` = about 30 ms, a fine average, while
+   that 2-second gap is among the run's ITL values, and if many requests each meet one such stall in
+   about 100 gaps, the ITL p99 is about 2 s. (With 1,000 tokens the TPOT is 12 ms.) A chat user sees the
+   text freeze for 2 seconds: a chat product's SLO should bound the time between tokens, the ITL's tail
+   (p99, or every gap, as Sarathi-Serve's TBT does), together with TTFT; TPOT averages the stall away.
+""", rubric=r"""
+- 0.5: question 3: TTFT grows without bound (linearly) as the queue grows; the 429 lets the client act
+  at once and protects the admitted requests' latency.
+- 0.5: question 4: a concrete request with many short gaps and one long stall (numbers that work), and
+  ITL (its tail) as the chat SLO, with why TPOT hides it.
+"""),
+md(r"""
 5. In your Poisson measurement, where is the knee of the curve? What sets the capacity of this
    server: the step time, `max_running`, or the KV cache?
 6. How does the ITL p99 of chunked prefill depend on the budget? What would a budget of 1 token
    (per decode) do, and a budget larger than any prompt?
+"""),
+answer("capacity_budget_answer", 2, "questions 5 and 6", model=r"""
+5. (From the student's table.) At half the rough capacity the throughput follows the offered rate and
+   TTFT is about one prefill; at about the estimated capacity (1x) and above, throughput stops
+   following the rate, TTFT grows with the queue and goodput falls below throughput: the knee is near
+   the 1x rate (between 1x and 2x in most runs). The capacity is set by **`max_running` and the step
+   time**: at most 8 requests decode per step (the estimate itself is 8 requests over the time of
+   their answers, at about 1.5 times the step of 4 requests), so the server finishes at most
+   `max_running / (output_len x step time)` requests per second; the step time grows slowly with the
+   batch and the newcomers' prefills. The KV cache is not the limit here: SmolLM2 takes 23 KB per
+   token and 8 requests of a few hundred tokens fill a small part of the pool (no preemptions, low
+   `kv_cache_usage` in `/metrics`). With a larger `max_running`, longer requests or a bigger model, the
+   cache would become the limit.
+6. The longest gap under chunked prefill is one step of at most `budget` tokens, so the ITL p99 grows
+   with the budget (about a fixed cost plus the budget's tokens' worth of compute): a smaller budget
+   gives a smaller tail, and more steps per prompt. A budget of 1 token per decode (equal to the number
+   of running requests, the smallest the engine allows) leaves no token for prefills while every slot
+   decodes: newcomers advance only as tokens free up, a few tokens per step, so their TTFT becomes
+   enormous (and the per-step fixed cost is paid for almost nothing), while the running requests'
+   gaps are as small as they can be. A budget larger than any prompt never splits a prompt: each
+   prefill runs whole in one step, as in prefill-first (the decodes still ride in that step, so the
+   stall is one long step instead of two), and the ITL p99 is back to the length of a long prefill.
+""", rubric=r"""
+- 1: question 5: the knee located with the student's own rates and numbers (where throughput stops
+  following the rate, TTFT and goodput degrade), and the limit argued from their run: max_running and
+  step time (KV cache not binding at these sizes, with evidence such as no preemption or low usage).
+- 1: question 6: ITL p99 grows with the budget (one step of at most budget tokens); the two extremes:
+  tiny budget starves prefills (huge TTFT, low throughput), huge budget is prefill-first again.
+"""),
+md(r"""
 7. Goodput depends on the SLO. Find an SLO under which chunked prefill has the higher goodput, and
    one under which prefill-first does. What does this tell you about reporting one number?
 8. The decodes "piggyback" on prefill chunks. Why is a step holding a chunk and 8 decodes cheaper
    than a chunk step plus a separate decode step? (Think about what a decode step reads, lab 02.)
+"""),
+answer("goodput_piggyback_answer", 1, "questions 7 and 8", model=r"""
+7. Chunked prefill wins under an SLO on the time between tokens: for example a TPOT (or ITL) bound of
+   about two decode steps with a loose TTFT: under prefill-first the chats whose gaps hold a document's
+   whole prefill miss it. Prefill-first wins under a tight TTFT bound with a loose TPOT: for example
+   TTFT of about one whole prefill of a document: chunking spreads the documents' prompts over several
+   shared steps, so their TTFT grows past it while prefill-first meets it. (The student gives SLOs in
+   the numbers of their own run.) One goodput number says as much about the SLO as about the server:
+   reporting it means stating the SLO, and better, the percentiles of each metric and per kind of
+   request (chats, documents), or goodput over a range of SLOs.
+8. A decode step reads every weight of the model (and, on a GPU, launches every kernel) to compute one
+   token per sequence: its cost is that fixed read, not the tokens' arithmetic (memory-bound, lab 02).
+   A chunk step pays the same read once for its chunk. Putting the 8 decodes in the chunk's step adds
+   8 tokens of arithmetic and their KV reads to a pass that reads the weights anyway: almost free. Run
+   separately, the decode step pays the whole weight read (and launches) a second time. For large
+   models on a GPU the mix also fills both limits at once: the chunk's arithmetic uses the compute that
+   memory-bound decodes leave idle.
+""", rubric=r"""
+- 0.5: question 7: one SLO that favours each policy (TBT/TPOT-bound for chunked, TTFT-bound for
+  prefill-first), and the lesson: a goodput number needs its SLO and the distributions behind it.
+- 0.5: question 8: the weight read (or launches) is the step's fixed cost; a combined step pays it once.
+"""),
+md(r"""
 
 ## Going further
 

@@ -81,9 +81,10 @@ measure first with **chunked prefill** (Sarathi-Serve, 2024).
 - write a chunked-prefill scheduler with a per-step token budget, watch it on a batch timeline, and
   measure it against prefill-first under a mixed load.
 
-**Time:** about 4 hours 30 minutes: 1 hour of reading, seven problems (the async engine about 45
-minutes, text streaming 30, server-sent events 20, request checks 30, the load generator 25, the
-metrics 20, the scheduler 25), and about 10 minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU (2 cores suffice; the loads are sized down
+**Time:** about 5 hours: 1 hour of reading, seven problems (the async engine about 45 minutes, text
+streaming 30, server-sent events 20, request checks 30, the load generator 25, the metrics 20, the
+scheduler 25), 30 minutes for the written questions at the end, and about 10 minutes of running on
+a laptop CPU. **Hardware:** everything runs on a laptop CPU (2 cores suffice; the loads are sized down
 there), and on a GPU when there is one. The server only ever listens on 127.0.0.1 (this machine).
 """),
 locked("colab_install", COLAB_INSTALL),
@@ -479,6 +480,20 @@ assert [g[-1].finish_reason for g in got] == ["length"] * 3, "the stream ends wi
 assert core.violations == [], f"the core was called while a step ran: {core.violations} (only the loop, between steps)"
 assert core.blocks == {}, "finished requests hold no blocks"
 
+async def _abort_notes():
+    core = FakeCore()
+    eng = AsyncEngine(core)
+    rid = eng.add([2], max_tokens=1000)
+    await asyncio.sleep(0.02)                          # the loop hands it to the core, which runs it
+    eng.abort(rid)
+    noted = (list(core.aborted), rid in eng.to_abort, rid in eng.streams)   # before the loop runs again
+    await eng.stop()
+    return noted
+aborted_at_once, noted, kept = run(_abort_notes())
+assert aborted_at_once == [] and noted and not kept, \
+    "abort(rid) must not call the core (a step may be running in another thread): remove the request's queue, " \
+    "add rid to to_abort and wake the loop, which aborts it in the core between steps"
+
 async def _leave_early():
     core = FakeCore(step_s=0.005)
     eng = AsyncEngine(core)
@@ -549,7 +564,8 @@ for seed in (0, 1):
     for (p, n, leave), (rid, got) in zip(plans, results):
         k = leave if 0 < leave < n else n
         want = [(100 * p + i, i, "length" if i == n - 1 else None) for i in range(k)]
-        assert got == want, f"client {p} (max_tokens {n}, leaves after {leave}): got {got}, expected {want}"
+        assert got == want, (f"client {p} (max_tokens {n}, leaves after {leave}): got {got}: each reader must get its own "
+                             "tokens, in order, up to the finished one or until it leaves, none lost or doubled")
     left = {rid for (p, n, leave), (rid, got) in zip(plans, results) if 0 < leave < n}
     assert core.violations == [], f"the core was touched during a step: {core.violations}"
     assert core.blocks == {}, "every block must be freed (finished or aborted)"

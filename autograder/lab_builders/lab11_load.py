@@ -73,6 +73,9 @@ RequestRecord(ok, start, ttft, itl, latency, prompt_tokens, output_tokens, text,
   `asyncio.Semaphore`; vLLM's `--max-concurrency`). Return `(results, duration)`: the results of
   `send` in the order of `requests`, and the seconds from the start until the last one finished
   (use `time.perf_counter()`).
+
+Graded case by case: each scenario of the tests earns its share of the 3 points, and the feedback lists the
+cases that failed.
 """),
 solution("load_generator", r'''
 def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -114,22 +117,26 @@ ax.set_yticks([0, 1, 2], ["0.25 (bursty)", "1 (Poisson)", "4 (regular)"]); ax.se
 ax.set_title("40 arrivals at 4 requests/s"); plt.tight_layout(); plt.show()
 '''),
 tests("load_generator_tests", 3, r"""
-t = arrival_times(5, rate=2.0, seed=3)
-expect_floats(t, "arrival_times(5, 2.0)", length=5)
-assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:])), f"the first request at 0, then later and later: {t}"
-assert t == arrival_times(5, rate=2.0, seed=3), "the same seed must give the same arrivals"
-assert expect_floats(arrival_times(4, float("inf")), "arrival_times(4, inf)", length=4) == [0.0] * 4, "rate inf: all at 0"
-many = arrival_times(20001, rate=4.0, seed=0)
-gaps = np.diff(many)
-assert abs(gaps.mean() - 0.25) < 0.01, f"rate 4/s: the mean gap must be 1/4 s, got {gaps.mean():.3f}"
-assert abs(gaps.std() / gaps.mean() - 1) < 0.05, "burstiness 1 (Poisson): gaps are exponential, std == mean"
+from course.expect import Cases
+cases = Cases(points=3)        # one share of the 3 points per case: the feedback lists the cases that failed
+with cases("arrival_times(5, 2.0, seed=3): from 0, never decreasing, reproducible"):
+    t = expect_floats(arrival_times(5, rate=2.0, seed=3), "arrival_times(5, 2.0)", length=5)
+    assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:])), f"the first request at 0, then later and later: {t}"
+    assert t == arrival_times(5, rate=2.0, seed=3), "the same seed must give the same arrivals"
+with cases("arrival_times(4, inf): all at 0"):
+    assert expect_floats(arrival_times(4, float("inf")), "arrival_times(4, inf)", length=4) == [0.0] * 4, "rate inf: all at 0"
+with cases("arrival_times at 4 requests/s: Poisson gaps"):
+    gaps = np.diff(expect_floats(arrival_times(20001, rate=4.0, seed=0), "arrival_times(20001, 4.0)", length=20001))
+    assert abs(gaps.mean() - 0.25) < 0.01, f"rate 4/s: the mean gap must be 1/4 s, got {gaps.mean():.3f}"
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.05, "burstiness 1 (Poisson): gaps are exponential, std == mean"
 for bad in (dict(n=3, rate=0.0), dict(n=3, rate=-1.0), dict(n=3, rate=1.0, burstiness=0.0), dict(n=-1, rate=1.0)):
-    try:
-        arrival_times(**bad)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError(f"arrival_times({bad}) must raise ValueError")
+    with cases(f"arrival_times({', '.join(f'{k}={v}' for k, v in bad.items())}) is refused"):
+        try:
+            arrival_times(**bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"arrival_times({bad}) must raise ValueError (n < 0, rate <= 0 or burstiness <= 0)")
 
 async def _load():
     in_flight, peak, started = 0, 0, {}
@@ -142,29 +149,35 @@ async def _load():
         await asyncio.sleep(0.2)
         in_flight -= 1
         return i * 10
-    results, duration = await run_load(send, list(range(6)), [0.0, 0.0, 0.05, 0.05, 0.1, 0.3])
+    results, duration = expect_tuple(await run_load(send, list(range(6)), [0.0, 0.0, 0.05, 0.05, 0.1, 0.3]), "run_load(...)", 2)
     return results, duration, peak, started
-results, duration, peak, started = run(_load())
-assert expect_ints(results, "run_load results", length=6) == [0, 10, 20, 30, 40, 50], "results in request order"
-assert expect_int(peak, "peak") == 5, f"requests must run concurrently: 5 start within 0.1 s and take 0.2 s each, but at most {peak} ran at once"
-assert all(started[i] >= at - 0.005 for i, at in enumerate([0.0, 0.0, 0.05, 0.05, 0.1, 0.3])), \
-    f"no request may start before its arrival time: {started}"
-assert 0.45 <= expect_float(duration, "duration") < 5, f"duration: from the start until the last finished (0.3 + 0.2 s), got {duration:.3f}"
+with cases("run_load: 6 requests, concurrent, each at its arrival time"):
+    results, duration, peak, started = run(_load())
+    assert expect_ints(results, "run_load results", length=6) == [0, 10, 20, 30, 40, 50], "results in request order"
+    assert expect_int(peak, "peak") == 5, \
+        f"requests must run concurrently: 5 start within 0.1 s and take 0.2 s each, but at most {peak} ran at once"
+    assert all(started[i] >= at - 0.005 for i, at in enumerate([0.0, 0.0, 0.05, 0.05, 0.1, 0.3])), \
+        f"no request may start before its arrival time: {started}"
+    assert 0.45 <= expect_float(duration, "duration") < 5, \
+        f"duration: from the start until the last finished (0.3 + 0.2 s), got {duration:.3f}"
 ### BEGIN HIDDEN TESTS
 # gamma shape and scale: mean 1/rate, coefficient of variation 1/sqrt(burstiness), for several knobs
 for rate, b in ((1.0, 0.25), (10.0, 4.0), (0.5, 1.0)):
-    t = np.array(arrival_times(40001, rate, b, seed=7))
-    g = np.diff(t)
-    assert t[0] == 0 and (g >= 0).all(), "the first request at 0, and no gap is negative"
-    assert abs(g.mean() * rate - 1) < 0.03, f"rate {rate}, burstiness {b}: mean gap {g.mean():.4f}, expected {1 / rate}"
-    assert abs(g.std() / g.mean() - 1 / np.sqrt(b)) < 0.05, f"burstiness {b}: the gaps' std/mean must be 1/sqrt(b)"
-    assert (np.array(arrival_times(40001, rate, b, seed=8)) != t).any(), "another seed, other arrivals"
-assert expect_floats(arrival_times(1, 3.0), "one request", length=1) == [0.0], "one request: sent at 0"
-assert expect_floats(arrival_times(0, 3.0), "no request", length=0) == [], "no request: an empty list"
-# the gamma draw: exactly vLLM's recipe with this generator
-g = np.random.default_rng(5).gamma(shape=2.0, scale=1 / (3.0 * 2.0), size=9)
-assert np.allclose(expect_floats(arrival_times(10, 3.0, 2.0, seed=5), "arrivals", length=10), np.concatenate([[0], np.cumsum(g)])), \
-    "draw the n - 1 gaps in one call: np.random.default_rng(seed).gamma(shape=burstiness, scale=1/(rate*burstiness), size=n-1)"
+    with cases(f"arrival_times at rate {rate}, burstiness {b}"):
+        t = np.array(expect_floats(arrival_times(40001, rate, b, seed=7), "arrival_times(...)", length=40001))
+        g = np.diff(t)
+        assert t[0] == 0 and (g >= 0).all(), "the first request at 0, and no gap is negative"
+        assert abs(g.mean() * rate - 1) < 0.03, f"rate {rate}, burstiness {b}: the mean gap is {g.mean():.4f} s; it must be 1 / rate"
+        assert abs(g.std() / g.mean() - 1 / np.sqrt(b)) < 0.05, f"burstiness {b}: the gaps' std/mean must be 1/sqrt(b)"
+        assert (np.array(arrival_times(40001, rate, b, seed=8)) != t).any(), "another seed, other arrivals"
+with cases("arrival_times of one request, and of none"):
+    assert expect_floats(arrival_times(1, 3.0), "one request", length=1) == [0.0], "one request: sent at 0"
+    assert expect_floats(arrival_times(0, 3.0), "no request", length=0) == [], "no request: an empty list"
+with cases("arrival_times draws the gaps with vLLM's recipe"):
+    # the gamma draw: exactly vLLM's recipe with this generator
+    g = np.random.default_rng(5).gamma(shape=2.0, scale=1 / (3.0 * 2.0), size=9)
+    assert np.allclose(expect_floats(arrival_times(10, 3.0, 2.0, seed=5), "arrivals", length=10), np.concatenate([[0], np.cumsum(g)])), \
+        "draw the n - 1 gaps in one call: np.random.default_rng(seed).gamma(shape=burstiness, scale=1/(rate*burstiness), size=n-1)"
 # max_concurrency caps what is in flight; nothing starts early; arrivals all at 0 start together
 async def _cap(cap, arrivals, hold=0.05):
     state = {"now": 0, "peak": 0, "starts": []}
@@ -176,20 +189,27 @@ async def _cap(cap, arrivals, hold=0.05):
         await asyncio.sleep(hold)
         state["now"] -= 1
         return -r
-    out, dur = await run_load(send, list(range(len(arrivals))), arrivals, max_concurrency=cap)
+    out, dur = expect_tuple(await run_load(send, list(range(len(arrivals))), arrivals, max_concurrency=cap), "run_load(...)", 2)
     return out, dur, state
-out, dur, st = run(_cap(2, [0.0] * 8))
-assert expect_ints(out, "results", length=8) == [-i for i in range(8)] and expect_int(st["peak"], "peak") == 2, \
-    f"max_concurrency=2: at most 2 in flight (got {st['peak']})"
-assert expect_float(dur, "duration") >= 0.19, "8 requests of 0.05 s, 2 at a time: at least 0.2 s"
-out, dur, st = run(_cap(None, [0.0] * 10))
-assert st["peak"] == 10, "rate inf, no cap: every request in flight at once"
-arr = [0.0, 0.12, 0.12, 0.2]
-out, dur, st = run(_cap(None, arr, hold=0.01))
-assert all(s >= arr[r] - 0.005 for r, s in st["starts"]), f"requests started before their arrival: {st['starts']}"
-out, dur, st = run(_cap(None, [], hold=0.01))
-assert expect_type(out, "results", list) == [] and 0 <= expect_float(dur, "duration") < 1, "no request: no result, at once"
+with cases("run_load with max_concurrency=2"):
+    out, dur, st = run(_cap(2, [0.0] * 8))
+    assert expect_ints(out, "results", length=8) == [-i for i in range(8)] and expect_int(st["peak"], "peak") == 2, \
+        f"max_concurrency=2: at most 2 in flight (got {st['peak']})"
+    assert expect_float(dur, "duration") >= 0.19, "8 requests of 0.05 s, 2 at a time: at least 0.2 s"
+with cases("run_load with no cap, every arrival at 0"):
+    out, dur, st = run(_cap(None, [0.0] * 10))
+    expect_ints(out, "results", length=10)
+    assert st["peak"] == 10, f"rate inf, no cap: every request in flight at once, got at most {st['peak']}"
+with cases("run_load waits for each arrival time"):
+    arr = [0.0, 0.12, 0.12, 0.2]
+    out, dur, st = run(_cap(None, arr, hold=0.01))
+    expect_ints(out, "results", length=4)
+    assert all(s >= arr[r] - 0.005 for r, s in st["starts"]), f"requests started before their arrival: {st['starts']}"
+with cases("run_load with no request"):
+    out, dur, st = run(_cap(None, [], hold=0.01))
+    assert expect_type(out, "results", list) == [] and 0 <= expect_float(dur, "duration") < 1, "no request: no result, at once"
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ## Problem 6: The metrics of a serving benchmark (3 points)
@@ -218,6 +238,9 @@ vLLM's `bench serve` reports, over the requests that succeeded:
 "ttft_ms": {"mean", "p50", "p90", "p99"}, "tpot_ms": {...}, "itl_ms": {...}, "e2el_ms": {...},
 "good": int, "goodput": req/s}`. Failed records (`ok` False) count in `"failed"` only; a metric with no
 values has 0.0 everywhere; with no SLO every completed request is good.
+
+Graded case by case: each scenario of the tests earns its share of the 3 points, and the feedback lists the
+cases that failed.
 """),
 solution("metrics", r'''
 PERCENTILES = (50, 90, 99)
@@ -249,55 +272,88 @@ def summarize(records: list[RequestRecord], duration: float, slo: dict | None = 
     ### END SOLUTION
 '''),
 tests("metrics_tests", 3, r"""
+from course.expect import Cases
+cases = Cases(points=3)        # one share of the 3 points per case: the feedback lists the cases that failed
 recs = [RequestRecord(ok=True, ttft=0.1, itl=[0.1, 0.1], latency=0.3, output_tokens=3),
         RequestRecord(ok=True, ttft=0.5, itl=[0.3], latency=0.8, output_tokens=2),
         RequestRecord(ok=False, error="HTTP 500")]
-m = expect_type(summarize(recs, duration=2.0), "summarize(...)", dict)
-assert expect_int(m["completed"], "completed") == 2 and expect_int(m["failed"], "failed") == 1, "2 succeeded, 1 failed"
-assert abs(expect_float(m["request_throughput"], "request_throughput") - 1.0) < 1e-9, "2 requests in 2 s: 1 req/s"
-assert abs(expect_float(m["output_throughput"], "output_throughput") - 2.5) < 1e-9, "5 tokens in 2 s: 2.5 tokens/s"
-ttft = expect_type(m["ttft_ms"], "ttft_ms", dict)
-assert abs(expect_float(ttft["mean"], "ttft mean") - 300) < 1e-6 and abs(expect_float(ttft["p50"], "ttft p50") - 300) < 1e-6, \
-    "TTFT in ms: 100 and 500, mean and median 300 (the failed request counts in no metric)"
-assert abs(expect_float(m["tpot_ms"]["mean"], "tpot mean") - 200) < 1e-6, \
-    "TPOT excludes the first token: (300 - 100) / (3 - 1) = 100 ms and (800 - 500) / (2 - 1) = 300 ms, mean 200"
-assert abs(expect_float(m["itl_ms"]["p50"], "itl p50") - 100) < 1e-6, "ITL: every gap of every request (100, 100, 300 ms): median 100"
-assert abs(expect_float(m["e2el_ms"]["p99"], "e2el p99") - 795) < 1e-6, "E2EL p99 of 300 and 800 ms with linear interpolation: 795"
-g = summarize(recs, 2.0, slo={"ttft": 200})
-assert expect_int(g["good"], "good") == 1 and abs(expect_float(g["goodput"], "goodput") - 0.5) < 1e-9, "only the first request meets TTFT <= 200 ms"
+def summary(records, duration, slo=None):
+    m = expect_type(summarize(records, duration, slo=slo), "summarize(...)", dict)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        expect_type(m[key], key, dict)
+    return m
+with cases("completed and failed"):
+    m = summary(recs, 2.0)
+    assert expect_int(m["completed"], "completed") == 2 and expect_int(m["failed"], "failed") == 1, "2 succeeded, 1 failed"
+with cases("throughput"):
+    m = summary(recs, 2.0)
+    assert abs(expect_float(m["request_throughput"], "request_throughput") - 1.0) < 1e-9, "2 requests in 2 s: 1 req/s"
+    assert abs(expect_float(m["output_throughput"], "output_throughput") - 2.5) < 1e-9, "5 tokens in 2 s: 2.5 tokens/s"
+with cases("TTFT"):
+    ttft = summary(recs, 2.0)["ttft_ms"]
+    assert abs(expect_float(ttft["mean"], "ttft mean") - 300) < 1e-6 and abs(expect_float(ttft["p50"], "ttft p50") - 300) < 1e-6, \
+        "TTFT in ms: 100 and 500, mean and median 300 (the failed request counts in no metric)"
+with cases("TPOT"):
+    assert abs(expect_float(summary(recs, 2.0)["tpot_ms"]["mean"], "tpot mean") - 200) < 1e-6, \
+        "TPOT excludes the first token: (300 - 100) / (3 - 1) = 100 ms and (800 - 500) / (2 - 1) = 300 ms, mean 200"
+with cases("ITL"):
+    assert abs(expect_float(summary(recs, 2.0)["itl_ms"]["p50"], "itl p50") - 100) < 1e-6, \
+        "ITL: every gap of every request (100, 100, 300 ms): median 100"
+with cases("E2EL"):
+    assert abs(expect_float(summary(recs, 2.0)["e2el_ms"]["p99"], "e2el p99") - 795) < 1e-6, \
+        "E2EL p99 of 300 and 800 ms with linear interpolation: 795"
+with cases("goodput with a TTFT SLO"):
+    g = summary(recs, 2.0, slo={"ttft": 200})
+    assert expect_int(g["good"], "good") == 1 and abs(expect_float(g["goodput"], "goodput") - 0.5) < 1e-9, \
+        "only the first request meets TTFT <= 200 ms"
 ### BEGIN HIDDEN TESTS
 """ + HIDDEN_TRACE + r"""
-m = expect_type(summarize(_T, duration=2.0), "summarize(...)", dict)
-assert expect_int(m["completed"], "completed") == 3 and expect_int(m["failed"], "failed") == 1, "3 succeeded, 1 failed"
-assert abs(expect_float(m["request_throughput"], "request_throughput") - 1.5) < 1e-9, "3 requests in 2 s"
-assert abs(expect_float(m["output_throughput"], "output_throughput") - 4.0) < 1e-9, "8 tokens of the successful requests over 2 s"
+_RULE = {"ttft_ms": "the ttft of each successful request",
+         "tpot_ms": "(latency - ttft) / (output_tokens - 1) of each successful request with more than one token",
+         "itl_ms": "every gap (itl) of every successful request, one value per gap",
+         "e2el_ms": "the latency of each successful request"}
+with cases("completed and failed, on a trace with a failed request"):
+    m = summary(_T, 2.0)
+    assert expect_int(m["completed"], "completed") == 3 and expect_int(m["failed"], "failed") == 1, \
+        "completed counts the records with ok True, failed the others"
+with cases("throughput, on a trace with a failed request"):
+    m = summary(_T, 2.0)
+    assert abs(expect_float(m["request_throughput"], "request_throughput") - 1.5) < 1e-9, \
+        "request_throughput: completed requests / duration"
+    assert abs(expect_float(m["output_throughput"], "output_throughput") - 4.0) < 1e-9, \
+        "output_throughput: the output tokens of the successful requests / duration (a failed one adds none)"
 for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-    got = expect_type(m[key], key, dict)
-    for name, want in zip(("mean", "p50", "p90", "p99"), _WANT[key]):
-        assert abs(expect_float(got[name], f"{key}[{name!r}]") - want) < 1e-6, f"{key} {name}: expected {want:.4f}, got {got[name]}"
-for slo, good in (({}, 3), (None, 3), ({"ttft": 200}, 2), ({"ttft": 100}, 1), ({"tpot": 150}, 2), ({"tpot": 124}, 1),
-                  ({"e2el": 500}, 2), ({"ttft": 250, "tpot": 150, "e2el": 600}, 2), ({"ttft": 250, "tpot": 150, "e2el": 550}, 1),
-                  ({"tpot": 0}, 1)):
-    g = summarize(_T, 2.0, slo=slo)
-    assert expect_int(g["good"], "good") == good, f"SLO {slo}: {good} good requests (a one-token request has TPOT 0), got {g['good']}"
-    assert abs(expect_float(g["goodput"], "goodput") - good / 2.0) < 1e-9, "goodput: good requests per second"
-# nothing succeeded: zeros, no crash
-z = summarize([_rec(False, 0, [], 0, 0)], 1.0)
-expect_type(z, "summarize(...)", dict)
-assert expect_int(z["completed"], "completed") == 0 and expect_int(z["failed"], "failed") == 1, "nothing succeeded"
-assert expect_int(z["good"], "good") == 0 and expect_float(z["goodput"], "goodput") == 0, "nothing succeeded: no goodput"
-for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-    expect_type(z[key], key, dict)
-    assert all(expect_float(v, key) == 0.0 for v in z[key].values()) and set(z[key]) == {"mean", "p50", "p90", "p99"}, \
-        f"{key} with no values: 0.0 for mean, p50, p90 and p99"
-# only one-token requests: TPOT has no values (0.0), ITL none either
-o = summarize([_rec(True, 0.2, [], 0.2, 1), _rec(True, 0.4, [], 0.4, 1)], 1.0, slo={"tpot": 1})
-expect_type(o, "summarize(...)", dict)
-assert expect_float(o["tpot_ms"]["mean"], "tpot mean") == 0.0 and expect_float(o["itl_ms"]["p99"], "itl p99") == 0.0, \
-    "one-token requests have no TPOT and no gap"
-assert expect_int(o["good"], "good") == 2, "a one-token request meets any TPOT SLO"
-assert abs(expect_float(o["ttft_ms"]["p90"], "ttft p90") - 380) < 1e-6, "p90 of 200 and 400 ms: 380 (np.percentile, linear)"
+    with cases(f"{key}: mean, p50, p90, p99"):
+        got = summary(_T, 2.0)[key]
+        for name, want in zip(("mean", "p50", "p90", "p99"), _WANT[key]):
+            assert abs(expect_float(got[name], f"{key}[{name!r}]") - want) < 1e-6, \
+                f"{key} {name} is {got[name]}, which is wrong: {key} is over {_RULE[key]}, in ms; " \
+                "percentiles with np.percentile (linear interpolation)"
+for what, slos in (("one SLO", (({"ttft": 200}, 2), ({"ttft": 100}, 1), ({"tpot": 150}, 2), ({"tpot": 124}, 1), ({"e2el": 500}, 2))),
+                   ("several SLOs", (({"ttft": 250, "tpot": 150, "e2el": 600}, 2), ({"ttft": 250, "tpot": 150, "e2el": 550}, 1))),
+                   ("a TPOT SLO of 0", (({"tpot": 0}, 1),)), ("no SLO", (({}, 3), (None, 3)))):
+    with cases(f"goodput with {what}"):
+        for slo, good in slos:
+            g = summary(_T, 2.0, slo=slo)
+            got = expect_int(g["good"], "good")
+            assert got == good, (f"SLO {slo}: {got} good requests is wrong: a request is good when each of its metrics is at "
+                                 "most its SLO in ms (<=), every SLO given at once; a one-token request has TPOT 0; no SLO: every completed request")
+            assert abs(expect_float(g["goodput"], "goodput") - good / 2.0) < 1e-9, "goodput: good requests per second"
+with cases("nothing succeeded"):
+    z = summary([_rec(False, 0, [], 0, 0)], 1.0)
+    assert expect_int(z["completed"], "completed") == 0 and expect_int(z["failed"], "failed") == 1, "nothing succeeded"
+    assert expect_int(z["good"], "good") == 0 and expect_float(z["goodput"], "goodput") == 0, "nothing succeeded: no goodput"
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert all(expect_float(v, key) == 0.0 for v in z[key].values()) and set(z[key]) == {"mean", "p50", "p90", "p99"}, \
+            f"{key} with no values: 0.0 for mean, p50, p90 and p99"
+with cases("only one-token requests"):
+    o = summary([_rec(True, 0.2, [], 0.2, 1), _rec(True, 0.4, [], 0.4, 1)], 1.0, slo={"tpot": 1})
+    assert expect_float(o["tpot_ms"]["mean"], "tpot mean") == 0.0 and expect_float(o["itl_ms"]["p99"], "itl p99") == 0.0, \
+        "one-token requests have no TPOT and no gap"
+    assert expect_int(o["good"], "good") == 2, "a one-token request meets any TPOT SLO"
+    assert abs(expect_float(o["ttft_ms"]["p90"], "ttft p90") - 380) < 1e-6, "p90 of 200 and 400 ms: 380 (np.percentile, linear)"
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ### Measure: your server under Poisson load

@@ -170,7 +170,8 @@ for trial in range(300):
         sent += piece
         want, hit = _safe_prefix(dec(list(range(n))), stops, len(sent) - len(piece)) if not stopped else (len(sent), True)
         assert sent == dec(list(range(n)))[:want], \
-            f"stops {stops}: after {n} tokens of {text!r}, sent {sent!r}, expected {dec(list(range(n)))[:want]!r}"
+            (f"stops {stops}: after {n} tokens of {text!r}, sent {sent!r}: send all the text that cannot become a stop string any "
+             "more, hold back only a tail that may still start one, and never half a character ('\\ufffd')")
         stopped = stopped or hit
         assert expect_bool(ts.stopped, "stopped") == stopped, f"stops {stops}, text {text!r}: stopped must say whether a stop string appeared"
     sent += expect_type(ts.flush(), "flush", str)

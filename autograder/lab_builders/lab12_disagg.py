@@ -1,6 +1,6 @@
 """Lab 12, sections 6-7: prefill-decode disaggregation (problem 5), the measurement, and running the
 tensor-parallel model under torchrun; then the summary and going further. Assembled by lab12.py."""
-from autograder.authoring import code, md, solution, tests
+from autograder.authoring import answer, code, md, solution, tests
 
 STORY = (
     "The lighthouse keeper wrote down the weather every morning: the wind, the height of the waves, the colour of "
@@ -338,21 +338,114 @@ md(r"""
   between them. Decode steps no longer wait behind prefills; the price is the transfer, a second copy of
   the model, and the tuning of two pools.
 
-**Questions** (from the workshop this course grew from, and a few more)
+**Questions** (from the workshop this course grew from, and a few more). Answer in the cell under
+each group, in a few sentences of your own and with **your** numbers where a question asks for them;
+a person grades them (4 points in all).
 
 1. What do you do when the model does not fit in memory? For Llama-3-70B on 80 GB GPUs, what is the
    smallest TP degree that leaves room for a KV cache of 100,000 tokens in bf16? (Use your
    `param_count` and `kv_bytes_per_token`.)
 2. Where are the all-reduces of a tensor-parallel layer, and why is there none between `q` and `o`, or
    between `up` and `down`? What would it cost to split `o` column-wise instead?
+"""),
+answer("tp_fit_answer", 1, "questions 1 and 2", model=r"""
+1. Split it over several GPUs: tensor parallelism (every layer split), pipeline parallelism (the stack
+   split), or both; or make it smaller (8- or 4-bit weights), or offload part of it to CPU memory at a
+   large cost in speed. Llama-3-70B: `param_count` = 70.55 B, 141.1 GB in bf16; `kv_bytes_per_token` =
+   `2 x 80 x 8 x 128 x 2` = 327,680 bytes, so 100,000 tokens take 32.8 GB; 173.9 GB in all. TP splits
+   both evenly, and W must divide 64 query heads and 8 KV heads: W = 2 gives 86.9 GB per GPU (too much
+   for 80 GB), W = 4 gives 43.5 GB per GPU, with room left for activations and more cache. The smallest
+   TP degree is **4** (3 would fit by size, but divides neither head count).
+2. One all-reduce after `o` (attention) and one after `down` (the MLP): the two row-parallel layers,
+   whose outputs are partial sums. `q`, `k`, `v` are column-parallel by whole heads, and a head's
+   attention needs only its own q, k, v: each rank computes its heads' outputs completely, which are
+   exactly the input columns its row-parallel slice of `o` multiplies. Likewise `gate` and `up` give each
+   rank a slice of the `d_ff` features, `SiLU(gate) x up` is element by element, and `down`'s row slice
+   takes exactly that slice. Split column-wise, `o` would need every head's output on every rank (an
+   all-gather of the attention output before it) and would leave each rank with a slice of the
+   residual's features (an all-gather after it, to make the residual whole for the next norm): two
+   collectives instead of one, at least as many bytes, and the attention output replicated in memory.
+""", rubric=r"""
+- 0.5: question 1: the ways out (split: TP/PP; quantize; offload), and TP = 4 with the arithmetic
+  (141 GB + 33 GB; per GPU 87 GB at W = 2, 43 GB at W = 4; W must divide 64 and 8).
+- 0.5: question 2: all-reduces after o and down; column-then-row pairs keep each rank's slice local
+  (whole heads; element-wise SiLU x up); o column-wise needs gathers before and after it.
+"""),
+md(r"""
 3. Why must W divide the number of KV heads here? What does vLLM do when W is larger than the number of
    KV heads, and what does it cost in memory?
 4. TP + PP: 16 GPUs in two machines of 8. Which dimension goes inside a machine and which across, and why?
+"""),
+answer("kv_heads_layout_answer", 1, "questions 3 and 4", model=r"""
+3. Each rank holds whole query heads and must hold the KV heads they read: with `H / W` query heads per
+   rank, rank `r`'s heads read exactly KV heads `r x Hkv / W` to `(r + 1) x Hkv / W - 1`, a whole slice of
+   `k` and `v`, only when W divides Hkv. Otherwise a group of query heads would be cut between ranks and
+   its KV head would be needed on two ranks, which this split does not provide (SmolLM2's 3 KV heads:
+   W = 1 or 3).
+   When W is larger than Hkv and a multiple of it, vLLM replicates each KV head on `W / Hkv` ranks
+   (`QKVParallelLinear`): each rank keeps one KV head, for its query heads. The cost is memory: the `k`
+   and `v` weights and, above all, the KV cache are stored `W / Hkv` times, so each rank's cache per
+   token stops shrinking below one head per layer (Llama-3-70B, 8 KV heads, on 16 ranks: every KV head
+   twice, double the cache of an ideal split).
+4. Tensor parallelism inside each machine (TP = 8 over NVLink) and pipeline parallelism across the two
+   (PP = 2 over the network). TP waits for two all-reduces per layer, each of the whole activation
+   (`4 x n_layer x C x (W - 1) / W` values per token per rank): it needs hundreds of GB/s and
+   microsecond latencies, which only NVLink gives. PP sends one activation (C values per token) per
+   stage boundary, once per micro-batch, and tolerates the slower links between machines (tens of GB/s).
+""", rubric=r"""
+- 0.5: question 3: query heads and their KV head must live on the same rank (whole groups per rank);
+  vLLM replicates KV heads when W > Hkv, multiplying the KV cache (and k/v weights) by W / Hkv.
+- 0.5: question 4: TP inside (frequent, large all-reduces need NVLink), PP across (little traffic).
+"""),
+md(r"""
 5. Your pipeline's bubble with m = 1: why is pipeline parallelism still used for inference?
+"""),
+answer("pipeline_answer", 1, "question 5", model=r"""
+With one micro-batch the bubble is `(p - 1) / p`: with 2 stages each is idle half the time (the
+student's measured bubble is close to 1/2, the timeline shows one stage waiting while the other
+works), and a request is no faster than on one device (slower by the hops). Pipeline parallelism is
+still used because it buys **memory** with very little communication: each GPU holds `1 / p` of the
+layers (and of the KV cache), so a model too large for one machine fits, with only one activation per
+stage boundary crossing the slower links between machines. And a server is never at m = 1: it has
+many requests, so it keeps every stage busy with a different batch (vLLM runs one batch per stage in
+flight: decode steps of different batches follow each other down the pipeline), and the bubble
+remains only at start-up and drain. It buys throughput and capacity, not the latency of one request.
+""", rubric=r"""
+- 0.5: the bubble at m = 1 ((p - 1)/p, with the student's measurement), and no latency gain.
+- 0.5: why it is used anyway: memory (1/p of the layers) with little communication (across machines),
+  and a server fills the pipeline with many batches in flight.
+"""),
+md(r"""
 6. Prefill is compute-bound and decode memory-bound. Which GPUs, batch sizes and parallelism would you
    give each pool? What goes wrong if the decode pool is too small?
 7. Your KV transfer took some milliseconds per request here. Estimate it for a 4,000-token prompt of the
    70B model over a 400 Gb/s network. How can the transfer overlap the prefill?
+"""),
+answer("disaggregation_answer", 1, "questions 6 and 7", model=r"""
+6. Prefill pool: GPUs with the most FLOP/s (H100, B200), batches of a few prompts (enough tokens per
+   step to saturate the compute; more only adds waiting), and tensor parallelism to cut each long
+   prompt's TTFT (its latency target). Decode pool: GPUs with the most memory bandwidth and capacity
+   (H200, more HBM per GPU), large batches (many requests share each weight read), enough memory for
+   every running request's KV cache, with TP (or PP) sized for capacity and the TPOT target; DistServe
+   picks the two configurations separately. If the decode pool is too small, it runs out of KV memory
+   and batch room: finished prefills wait to be transferred (their first decode and TTFT slip, and their
+   caches pile up on the prefill side), the decode batch grows and its ITL breaks the target, or
+   requests are preempted and recomputed. The pools must be sized together for the traffic.
+7. The KV cache of the 70B model takes `2 x 80 x 8 x 128 x 2` = 327,680 bytes per token, so 4,000 tokens
+   are 1.31 GB. 400 Gb/s is 50 GB/s: about 26 ms, more in practice (30-40 ms at a realistic share of
+   the link); the student's transfer here moved SmolLM2's 46 KB per token (float32) over loopback.
+   The prefill itself (about `2 x 70 B x 4,000` = 560 TFLOP) takes hundreds of milliseconds
+   even on 8 GPUs, so the transfer can hide behind it: send each layer's keys and values as soon as that
+   layer has computed them, while the next layers run (layer by layer, or chunk by chunk with chunked
+   prefill), and with TP every GPU sends its own share over its own network card, dividing the time by W.
+""", rubric=r"""
+- 0.5: question 6: compute-rich GPUs, small token-saturating batches and TP for prefill; bandwidth- and
+  memory-rich GPUs, large batches for decode; a too-small decode pool means queued transfers, KV
+  memory exhaustion or preemption, and broken ITL/TTFT targets.
+- 0.5: question 7: about 1.3 GB and about 26 ms at 50 GB/s (the arithmetic shown), and layer-by-layer
+  (or chunk-wise) streaming during the prefill.
+"""),
+md(r"""
 
 ## Going further
 

@@ -46,6 +46,9 @@ plus a hop between stages. It buys memory (each rank holds 1/p of the layers) an
 - `measured_bubble(timelines)`: from each stage's timeline (a list of them, stage 0 first), the share
   of stage-time spent idle between the first start and the last end of any stage:
   1 - (busy time of all stages) / (p × (last end - first start)).
+
+Graded case by case: each check of the tests earns its share of the 3 points, and the feedback lists the
+cases that failed.
 """),
 solution("pipeline_stage", r'''
 def pipeline_stage(comm, compute, inputs: list, shape: tuple, dtype=torch.float32) -> tuple[list, list]:
@@ -172,6 +175,8 @@ plot_pipeline(sleep_bubble[sleep_m[-1]], ax=ax2, title=f"{P4} stages, {sleep_m[-
 plt.tight_layout(); plt.show()
 '''),
 tests("pipeline_stage_tests", 3, r"""
+from course.expect import Cases
+cases = Cases(points=3)        # one share of the 3 points per case: the feedback lists the cases that failed
 def _timeline(tl, m, what="timeline"):
     tl = expect_type(tl, what, list)
     assert len(tl) == m, f"the {what} holds one (j, start, end) per micro-batch, {m} here, got {len(tl)}"
@@ -180,53 +185,61 @@ def _timeline(tl, m, what="timeline"):
         j, a, b = expect_tuple(e, f"{what}[{i}]", 3)
         out.append((expect_int(j, f"{what}[{i}][0]"), expect_float(a, f"{what}[{i}][1]"), expect_float(b, f"{what}[{i}][2]")))
     return out
-assert expect_float(bubble_fraction(4, 4), "bubble_fraction(4, 4)") == 3 / 7, "(p - 1) / (m + p - 1) = 3/7"
-assert expect_float(bubble_fraction(1, 5), "bubble_fraction(1, 5)") == 0, "one stage never waits"
-perfect = [[(0, 0.0, 1.0), (1, 1.0, 2.0)], [(0, 1.0, 2.0), (1, 2.0, 3.0)]]     # p = 2, m = 2, ideal GPipe
-assert abs(expect_float(measured_bubble(perfect), "measured_bubble(...)") - 1 / 3) < 1e-12, \
-    "2 stages x 3 ticks, 4 busy: the bubble is 1/3"
+with cases("bubble_fraction: (p - 1) / (m + p - 1)"):
+    assert expect_float(bubble_fraction(4, 4), "bubble_fraction(4, 4)") == 3 / 7, "(p - 1) / (m + p - 1) = 3/7"
+    assert expect_float(bubble_fraction(1, 5), "bubble_fraction(1, 5)") == 0, "one stage never waits"
+with cases("measured_bubble of an ideal GPipe timeline"):
+    perfect = [[(0, 0.0, 1.0), (1, 1.0, 2.0)], [(0, 1.0, 2.0), (1, 2.0, 3.0)]]     # p = 2, m = 2, ideal GPipe
+    assert abs(expect_float(measured_bubble(perfect), "measured_bubble(...)") - 1 / 3) < 1e-12, \
+        "2 stages x 3 ticks, 4 busy: 1 - 4 / (2 x 3) = 1/3: every stage's time counts, 1 - busy / (p x (last end - first start))"
 def _pipe(comm, m):
     inputs = [torch.full((2, 3), float(j), device=env.device) for j in range(m)]
     seen = []
     def compute(j, x):
         seen.append((j, x.clone()))
         return x * 2 + comm.rank + 1
-    out, tl = pipeline_stage(comm, compute, inputs, (2, 3))
+    out, tl = expect_tuple(pipeline_stage(comm, compute, inputs, (2, 3)), "pipeline_stage(...)", 2)
     return out, tl, seen, list(comm.stats.log)
-res = run_threads(_pipe, 3, 4)
-out, tl, seen, log = res[2]
-tl = _timeline(tl, 4)
-out = [expect_tensor(o, "the last stage's outputs[j]", shape=(2, 3), device=env.device) for o in expect_type(out, "outputs", list)]
-assert len(out) == 4, f"the last stage returns one output per micro-batch, 4 here, got {len(out)}"
-for j, o in enumerate(out):
-    want = ((j * 2 + 1) * 2 + 2) * 2 + 3
-    assert torch.equal(o, torch.full((2, 3), float(want), device=env.device)), \
-        f"micro-batch {j} must go through stage 0, 1, 2 in turn: expected {want}, got {o[0, 0].item()}"
-assert expect_type(res[0][0], "outputs of stage 0", list) == [] and [e[0] for e in res[0][3]] == ["send"] * 4, \
-    "stage 0 receives nothing and sends each of its 4 results on; only the last stage returns outputs"
-assert [e[0] for e in res[1][3]] == ["recv", "send"] * 4, "a middle stage receives, computes, sends, per micro-batch"
-assert [j for j, *_ in tl] == [0, 1, 2, 3] and all(a <= b for _, a, b in tl), "one (j, start, end) per compute call, in order"
+with cases("pipeline_stage: the last stage's outputs"):
+    out = run_threads(_pipe, 3, 4)[2][0]
+    out = [expect_tensor(o, "the last stage's outputs[j]", shape=(2, 3), device=env.device) for o in expect_type(out, "outputs", list)]
+    assert len(out) == 4, f"the last stage returns one output per micro-batch, 4 here, got {len(out)}"
+    for j, o in enumerate(out):
+        want = ((j * 2 + 1) * 2 + 2) * 2 + 3
+        assert torch.equal(o, torch.full((2, 3), float(want), device=env.device)), \
+            f"micro-batch {j} must go through stage 0, 1, 2 in turn: expected {want}, got {o[0, 0].item()}"
+with cases("pipeline_stage: what each stage receives and sends"):
+    res = run_threads(_pipe, 3, 4)
+    assert expect_type(res[0][0], "outputs of stage 0", list) == [] and [e[0] for e in res[0][3]] == ["send"] * 4, \
+        "stage 0 receives nothing and sends each of its 4 results on; only the last stage returns outputs"
+    assert [e[0] for e in res[1][3]] == ["recv", "send"] * 4, "a middle stage receives, computes, sends, per micro-batch"
+with cases("pipeline_stage: the timeline"):
+    tl = _timeline(run_threads(_pipe, 3, 4)[2][1], 4)
+    assert [j for j, *_ in tl] == [0, 1, 2, 3] and all(a <= b for _, a, b in tl), "one (j, start, end) per compute call, in order"
 ### BEGIN HIDDEN TESTS
-for p, m in ((1, 1), (1, 3), (2, 1), (3, 7), (8, 8), (4, 100)):
-    assert abs(expect_float(bubble_fraction(p, m), "bubble_fraction") - (p - 1) / (m + p - 1)) < 1e-12, \
-        f"bubble_fraction({p}, {m}) must be (p - 1) / (m + p - 1)"
-for p, m in ((0, 3), (3, 0), (2, -1)):
-    try:
-        bubble_fraction(p, m)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError(f"bubble_fraction({p}, {m}): raise ValueError for p or m below 1")
+with cases("bubble_fraction of more shapes"):
+    for p, m in ((1, 1), (1, 3), (2, 1), (3, 7), (8, 8), (4, 100)):
+        assert abs(expect_float(bubble_fraction(p, m), "bubble_fraction") - (p - 1) / (m + p - 1)) < 1e-12, \
+            f"bubble_fraction({p}, {m}) must be (p - 1) / (m + p - 1)"
+with cases("bubble_fraction below one stage or micro-batch: ValueError"):
+    for p, m in ((0, 3), (3, 0), (2, -1)):
+        try:
+            bubble_fraction(p, m)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"bubble_fraction({p}, {m}): raise ValueError for p or m below 1")
 import random as _random
-rng = _random.Random(3)
-for _ in range(5):   # measured_bubble on random timelines against the definition
-    p = rng.randint(1, 5)
-    tls = [[(j, s0, s0 + rng.random()) for j, s0 in enumerate(sorted(rng.uniform(0, 10) for _ in range(rng.randint(1, 4))))]
-           for _ in range(p)]
-    first = min(a for tl_ in tls for _, a, _ in tl_)
-    last = max(b for tl_ in tls for _, _, b in tl_)
-    want = 1 - sum(b - a for tl_ in tls for _, a, b in tl_) / (p * (last - first))
-    assert abs(expect_float(measured_bubble(tls), "measured_bubble") - want) < 1e-9, "1 - busy / (p x (last end - first start))"
+with cases("measured_bubble of random timelines"):
+    rng = _random.Random(3)
+    for _ in range(5):   # measured_bubble on random timelines against the definition
+        p = rng.randint(1, 5)
+        tls = [[(j, s0, s0 + rng.random()) for j, s0 in enumerate(sorted(rng.uniform(0, 10) for _ in range(rng.randint(1, 4))))]
+               for _ in range(p)]
+        first = min(a for tl_ in tls for _, a, _ in tl_)
+        last = max(b for tl_ in tls for _, _, b in tl_)
+        want = 1 - sum(b - a for tl_ in tls for _, a, b in tl_) / (p * (last - first))
+        assert abs(expect_float(measured_bubble(tls), "measured_bubble") - want) < 1e-9, "1 - busy / (p x (last end - first start))"
 def _pipe2(comm, m, shape, dtype):
     g = torch.Generator().manual_seed(17)
     inputs = [torch.randn(shape, generator=g, dtype=dtype).to(env.device) for _ in range(m)]
@@ -234,39 +247,42 @@ def _pipe2(comm, m, shape, dtype):
     def compute(j, x):
         got.append((j, x.clone()))
         return torch.sin(x) * (comm.rank + 2) + j
-    out, tl = pipeline_stage(comm, compute, inputs, shape, dtype)
+    out, tl = expect_tuple(pipeline_stage(comm, compute, inputs, shape, dtype), "pipeline_stage(...)", 2)
     return out, tl, got, inputs, comm.stats.sends, comm.stats.recvs
 for p, m, shape, dtype in ((2, 1, (3,), torch.float32), (4, 5, (2, 2, 2), torch.float64), (1, 3, (4,), torch.float32),
                            (3, 2, (1, 5), torch.float32), (5, 3, (2,), torch.float64)):
-    res = run_threads(_pipe2, p, m, shape, dtype)
-    inputs = res[0][3]
-    for s, (out, tl, got, _, sends, recvs) in enumerate(res):
-        assert sends == (m if s < p - 1 else 0) and recvs == (m if s > 0 else 0), \
-            f"p={p}, stage {s}: {m} receives (not on stage 0) and {m} sends (not on the last stage)"
-        assert [j for j, _ in got] == list(range(m)), "compute once per micro-batch, in order"
-        tl = _timeline(tl, m)
-        assert [j for j, *_ in tl] == list(range(m)) and all(a <= b for _, a, b in tl), \
-            "the timeline holds one (j, start, end) per micro-batch, in order, times from time.perf_counter()"
-        assert expect_type(out, "outputs", list) == [] or s == p - 1, "only the last stage returns outputs"
-    xs = list(inputs)
-    for s in range(p):
-        for j, (_, seen_x) in enumerate(res[s][2]):
-            assert seen_x.dtype == dtype and seen_x.shape == shape and torch.allclose(seen_x, xs[j]), \
-                f"p={p}: stage {s} must compute micro-batch {j} on what stage {s - 1} sent for it (shape {shape}, {dtype})"
-        xs = [torch.sin(x) * (s + 2) + j for j, x in enumerate(xs)]
-    out = [expect_tensor(o, "outputs[j]", shape=shape, dtype=dtype, device=env.device) for o in res[-1][0]]
-    assert len(out) == m and all(torch.allclose(o, w) for o, w in zip(out, xs)), f"p={p}, m={m}: wrong results on the last stage"
-    tls = [_timeline(r_[1], m) for r_ in res]
-    for s in range(1, p):     # data dependency: stage s starts j only after stage s-1 finished it
-        for j in range(m):
-            assert tls[s][j][1] >= tls[s - 1][j][2] - 1e-6, "a stage computes a micro-batch only after receiving it"
+    with cases(f"{p} stages, {m} micro-batches of shape {shape}, {dtype}"):
+        res = run_threads(_pipe2, p, m, shape, dtype)
+        inputs = res[0][3]
+        for s, (out, tl, got, _, sends, recvs) in enumerate(res):
+            assert sends == (m if s < p - 1 else 0) and recvs == (m if s > 0 else 0), \
+                f"p={p}, stage {s}: {m} receives (not on stage 0) and {m} sends (not on the last stage)"
+            assert [j for j, _ in got] == list(range(m)), "compute once per micro-batch, in order"
+            tl = _timeline(tl, m)
+            assert [j for j, *_ in tl] == list(range(m)) and all(a <= b for _, a, b in tl), \
+                "the timeline holds one (j, start, end) per micro-batch, in order, times from time.perf_counter()"
+            assert expect_type(out, "outputs", list) == [] or s == p - 1, "only the last stage returns outputs"
+        xs = list(inputs)
+        for s in range(p):
+            for j, (_, seen_x) in enumerate(res[s][2]):
+                assert seen_x.dtype == dtype and seen_x.shape == shape and torch.allclose(seen_x, xs[j]), \
+                    f"p={p}: stage {s} must compute micro-batch {j} on what stage {s - 1} sent for it (shape {shape}, {dtype})"
+            xs = [torch.sin(x) * (s + 2) + j for j, x in enumerate(xs)]
+        out = [expect_tensor(o, "outputs[j]", shape=shape, dtype=dtype, device=env.device) for o in res[-1][0]]
+        assert len(out) == m and all(torch.allclose(o, w) for o, w in zip(out, xs)), f"p={p}, m={m}: wrong results on the last stage"
+        tls = [_timeline(r_[1], m) for r_ in res]
+        for s in range(1, p):     # data dependency: stage s starts j only after stage s-1 finished it
+            for j in range(m):
+                assert tls[s][j][1] >= tls[s - 1][j][2] - 1e-6, "a stage computes a micro-batch only after receiving it"
 # sends do not wait for the next stage: stage 0 finishes its 4 micro-batches while stage 1 is still busy
 def _slow(comm):
     inputs = [torch.zeros(2, device=env.device) for _ in range(4)]
     nap = 0.0 if comm.rank == 0 else 0.15
-    return pipeline_stage(comm, lambda j, x: (time.sleep(nap), x + 1)[1], inputs, (2,))[1]
-tl0, tl1 = (_timeline(t_, 4) for t_ in run_threads(_slow, 2))
-assert tl0[-1][2] < tl1[1][1], "use isend: stage 0 must not wait for stage 1 to receive before computing its next micro-batch"
+    return expect_tuple(pipeline_stage(comm, lambda j, x: (time.sleep(nap), x + 1)[1], inputs, (2,)), "pipeline_stage(...)", 2)[1]
+with cases("a send does not wait for the next stage"):
+    tl0, tl1 = (_timeline(t_, 4) for t_ in run_threads(_slow, 2))
+    assert tl0[-1][2] < tl1[1][1], "use isend: stage 0 must not wait for stage 1 to receive before computing its next micro-batch"
 ### END HIDDEN TESTS
+cases.score()
 """),
 ]

@@ -241,6 +241,9 @@ matrix and computes 1/W of every matmul. Three details make or break it:
   `mlp.fc`, `down` is `mlp.proj`, no `gate`), the norms shared as they are, and this rank's head
   counts. Check `n_head` first, then `n_kv_head`, and raise `ValueError` naming the first one that
   `world` does not divide.
+
+Graded case by case: each check of the tests earns its share of the 4 points, and the feedback lists the
+cases that failed.
 """),
 solution("shard_weights", r'''
 def column_parallel(linear: nn.Linear, rank: int, world: int, unit: int = 1) -> nn.Linear:
@@ -330,142 +333,173 @@ print(f"KV cache per token: {kv_bytes_per_token(cfg, 4):,} bytes whole; each ran
       f"KV heads: {kv_bytes_per_token(cfg, 4) // 3:,} bytes")
 '''),
 tests("shard_weights_tests", 4, r"""
+from course.expect import Cases
+cases = Cases(points=4)        # one share of the 4 points per case: the feedback lists the cases that failed
 lin = nn.Linear(6, 8, device=env.device)
-col = expect_type(column_parallel(lin, 1, 2), "column_parallel(lin, 1, 2)", nn.Linear)
-w = expect_tensor(col.weight.detach(), "column_parallel(...).weight", shape=(4, 6), dtype=lin.weight.dtype, device=env.device)
-assert torch.equal(w, lin.weight[4:8].detach()), \
-    "column-parallel keeps OUTPUT features: rows 4..7 of the weight (nn.Linear stores (out, in)), not columns"
-b = expect_tensor(col.bias.detach() if col.bias is not None else None, "column_parallel(...).bias", shape=(4,), device=env.device)
-assert torch.equal(b, lin.bias[4:8].detach()), "the bias is split with the rows it belongs to"
-rows = [expect_type(row_parallel(lin, r, 2), f"row_parallel(lin, {r}, 2)", nn.Linear) for r in range(2)]
-w1 = expect_tensor(rows[1].weight.detach(), "row_parallel(lin, 1, 2).weight", shape=(8, 3), device=env.device)
-assert torch.equal(w1, lin.weight[:, 3:6].detach()), "row-parallel keeps INPUT features: columns 3..5 of the weight"
-x = torch.randn(5, 6, device=env.device)
-with torch.no_grad():
-    total = rows[0](x[:, :3]) + rows[1](x[:, 3:])
-assert torch.allclose(total, lin(x).detach(), atol=1e-5), \
-    "the partial sums of the ranks must add up to the whole layer: keep the bias on rank 0 only (the all-reduce adds it W times otherwise)"
-for bad in ((lambda: column_parallel(nn.Linear(4, 6, device=env.device), 0, 3, unit=3)), (lambda: row_parallel(lin, 0, 4))):
-    try:
-        bad()
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("6 features in units of 3 cannot go to 3 ranks, 6 input features cannot go to 4: raise ValueError")
-""" + TINY + r"""
+def rows_of(r, world=2):
+    return expect_type(row_parallel(lin, r, world), f"row_parallel(lin, {r}, {world})", nn.Linear)
+with cases("column_parallel keeps output rows and their bias"):
+    col = expect_type(column_parallel(lin, 1, 2), "column_parallel(lin, 1, 2)", nn.Linear)
+    w = expect_tensor(col.weight.detach(), "column_parallel(...).weight", shape=(4, 6), dtype=lin.weight.dtype, device=env.device)
+    assert torch.equal(w, lin.weight[4:8].detach()), \
+        "column-parallel keeps OUTPUT features: rows 4..7 of the weight (nn.Linear stores (out, in)), not columns"
+    b = expect_tensor(col.bias.detach() if col.bias is not None else None, "column_parallel(...).bias", shape=(4,), device=env.device)
+    assert torch.equal(b, lin.bias[4:8].detach()), "the bias is split with the rows it belongs to"
+with cases("row_parallel keeps input columns"):
+    w1 = expect_tensor(rows_of(1).weight.detach(), "row_parallel(lin, 1, 2).weight", shape=(8, 3), device=env.device)
+    assert torch.equal(w1, lin.weight[:, 3:6].detach()), "row-parallel keeps INPUT features: columns 3..5 of the weight"
+with cases("row-parallel partial sums add up to the layer"):
+    rows = [rows_of(r) for r in range(2)]
+    x = torch.randn(5, 6, device=env.device)
+    with torch.no_grad():
+        total = rows[0](x[:, :3]) + rows[1](x[:, 3:])
+    assert torch.allclose(total, lin(x).detach(), atol=1e-5), \
+        "the partial sums of the ranks must add up to the whole layer: keep the bias on rank 0 only (the all-reduce adds it W times otherwise)"
+for what, bad in (("6 features in units of 3 over 3 ranks", lambda: column_parallel(nn.Linear(4, 6, device=env.device), 0, 3, unit=3)),
+                  ("6 input features over 4 ranks", lambda: row_parallel(lin, 0, 4))):
+    with cases(f"{what}: ValueError"):
+        try:
+            bad()
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{what} cannot be cut into equal pieces of whole units: raise ValueError")
+def _tiny(family, n_head=4, n_kv_head=2, seed=0, n_layer=2):
+    torch.manual_seed(seed)
+    cfg_t = course.ModelConfig(family=family, vocab_size=64, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
+                               d_model=8 * n_head, d_ff=48, max_seq_len=64)
+    m = course.Decoder(cfg_t).to(env.device).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return m
 tiny = _tiny("llama")                       # 4 query heads, 2 KV heads, head_dim 8
-s = expect_type(shard_block(tiny.blocks[0], tiny.cfg, 1, 2), "shard_block(block, cfg, 1, 2)", TPBlock)
-assert (expect_int(s.n_head, "shard.n_head"), expect_int(s.n_kv_head, "shard.n_kv_head"),
-        expect_int(s.head_dim, "shard.head_dim")) == (2, 1, 8), "rank 1 of 2 holds 2 of the 4 query heads and 1 of the 2 KV heads"
 blk = tiny.blocks[0]
-for name, full, rows_ in (("q", blk.attn.q_proj, slice(16, 32)), ("k", blk.attn.k_proj, slice(8, 16)),
-                          ("gate", blk.mlp.gate_proj, slice(24, 48)), ("up", blk.mlp.up_proj, slice(24, 48))):
-    got = expect_tensor(expect_type(getattr(s, name), f"shard.{name}", nn.Linear).weight.detach(), f"shard.{name}.weight",
-                        device=env.device)
-    assert got.shape == full.weight[rows_].shape and torch.equal(got, full.weight[rows_].detach()), \
-        f"shard.{name} must be column-parallel: rank 1 keeps rows {rows_.start}..{rows_.stop - 1} (whole heads for q, k, v)"
-got = expect_tensor(expect_type(s.o, "shard.o", nn.Linear).weight.detach(), "shard.o.weight", device=env.device)
-assert got.shape == (32, 16) and torch.equal(got, blk.attn.o_proj.weight[:, 16:32].detach()), \
-    "shard.o is row-parallel over the same heads as q: columns 16..31"
-for world, what in ((3, "n_head"), (4, "n_kv_head")):
-    try:
-        shard_block(blk, tiny.cfg, 0, world)
-    except ValueError as e:
-        assert what in str(e), f"the error for world={world} must name {what}, got: {e}"
-    else:
-        raise AssertionError(f"world={world} does not divide the heads (4 query, 2 KV): raise ValueError naming {what}")
+def shard_1_of_2():
+    return expect_type(shard_block(blk, tiny.cfg, 1, 2), "shard_block(block, cfg, 1, 2)", TPBlock)
+with cases("shard_block: this rank's head counts"):
+    s = shard_1_of_2()
+    assert (expect_int(s.n_head, "shard.n_head"), expect_int(s.n_kv_head, "shard.n_kv_head"),
+            expect_int(s.head_dim, "shard.head_dim")) == (2, 1, 8), "rank 1 of 2 holds 2 of the 4 query heads and 1 of the 2 KV heads"
+with cases("shard_block: q, k, gate and up column-parallel"):
+    s = shard_1_of_2()
+    for name, full, rows_ in (("q", blk.attn.q_proj, slice(16, 32)), ("k", blk.attn.k_proj, slice(8, 16)),
+                              ("gate", blk.mlp.gate_proj, slice(24, 48)), ("up", blk.mlp.up_proj, slice(24, 48))):
+        got = expect_tensor(expect_type(getattr(s, name), f"shard.{name}", nn.Linear).weight.detach(), f"shard.{name}.weight",
+                            device=env.device)
+        assert got.shape == full.weight[rows_].shape and torch.equal(got, full.weight[rows_].detach()), \
+            f"shard.{name} must be column-parallel: rank 1 keeps rows {rows_.start}..{rows_.stop - 1} (whole heads for q, k, v)"
+with cases("shard_block: o row-parallel over the same heads"):
+    s = shard_1_of_2()
+    got = expect_tensor(expect_type(s.o, "shard.o", nn.Linear).weight.detach(), "shard.o.weight", device=env.device)
+    assert got.shape == (32, 16) and torch.equal(got, blk.attn.o_proj.weight[:, 16:32].detach()), \
+        "shard.o is row-parallel over the same heads as q: columns 16..31"
+with cases("shard_block names the head count the world does not divide"):
+    for world, what in ((3, "n_head"), (4, "n_kv_head")):
+        try:
+            shard_block(blk, tiny.cfg, 0, world)
+        except ValueError as e:
+            assert what in str(e), f"the error for world={world} must name {what}, got: {e}"
+        else:
+            raise AssertionError(f"world={world} does not divide the heads (4 query, 2 KV): raise ValueError naming {what}")
 ### BEGIN HIDDEN TESTS
 def _w(m, what):
     return expect_tensor(expect_type(m, what, nn.Linear).weight.detach(), what + ".weight", device=env.device)
 # every rank, several worlds and units: rows / columns in order, shapes, dtype, bias
 for dtype in (torch.float32, torch.float64):
-    full = nn.Linear(12, 24, bias=True, device=env.device, dtype=dtype)
-    nob = nn.Linear(24, 12, bias=False, device=env.device, dtype=dtype)
-    for world, unit in ((1, 1), (2, 4), (3, 2), (4, 3), (6, 1), (12, 2)):
-        got_rows = [_w(column_parallel(full, r, world, unit), "column_parallel") for r in range(world)]
-        assert all(g.dtype == dtype for g in got_rows), "keep the weight's dtype"
-        assert torch.equal(torch.cat(got_rows, 0), full.weight.detach()), \
-            f"world={world}: the ranks' rows, in rank order, must be the whole weight"
-        biases = [column_parallel(full, r, world, unit).bias for r in range(world)]
-        assert all(bb is not None for bb in biases) and torch.equal(torch.cat([bb.detach() for bb in biases]), full.bias.detach()), \
-            "a column-parallel layer keeps the bias of its rows"
-        got_cols = [_w(row_parallel(nob, r, world, unit), "row_parallel") for r in range(world)]
-        assert torch.equal(torch.cat(got_cols, 1), nob.weight.detach()), "the ranks' columns, in order, are the whole weight"
-        assert all(row_parallel(nob, r, world, unit).bias is None for r in range(world)), "no bias stays no bias"
-        assert all(column_parallel(nn.Linear(3, 24, bias=False, device=env.device), r, world, unit).bias is None
-                   for r in range(world)), "a layer without bias gives pieces without bias"
-    xs = torch.randn(3, 2, 24, device=env.device, dtype=dtype)
-    full2 = nn.Linear(24, 5, device=env.device, dtype=dtype)
-    for world in (2, 3, 4):
-        parts = [row_parallel(full2, r, world) for r in range(world)]
-        assert parts[0].bias is not None and all(p.bias is None or not bool(p.bias.detach().abs().sum())
-                                                  for p in parts[1:]), "the bias of a row-parallel layer: rank 0 only"
-        n = 24 // world
-        with torch.no_grad():
-            tot = sum(p(xs[..., r * n:(r + 1) * n]) for r, p in enumerate(parts))
-            assert torch.allclose(tot, full2(xs), atol=1e-5 if dtype == torch.float32 else 1e-10), \
-                f"world={world}: partial sums of the row-parallel ranks must add up to the layer (bias once)"
-for bad in ((lambda: column_parallel(nn.Linear(4, 10, device=env.device), 0, 4)),
-            (lambda: column_parallel(nn.Linear(4, 12, device=env.device), 0, 4, unit=6)),
-            (lambda: row_parallel(nn.Linear(9, 4, device=env.device), 0, 2)),
-            (lambda: row_parallel(nn.Linear(12, 4, device=env.device), 0, 3, unit=8)),
-            (lambda: column_parallel(nn.Linear(4, 12, device=env.device), 4, 4)),
-            (lambda: row_parallel(nn.Linear(12, 4, device=env.device), -1, 2))):
-    try:
-        bad()
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("uneven pieces, units cut in two, and a rank outside 0..world-1 must raise ValueError")
-# the GPT-2 family (MHA, biases) and every rank of several worlds
-""" + TINY + r"""
-for family, H, Hkv, world in (("gpt2", 4, 4, 2), ("gpt2", 4, 4, 4), ("llama", 4, 2, 2), ("llama", 6, 3, 3), ("llama", 4, 4, 1)):
-    t = _tiny(family, H, Hkv, seed=world)
-    c, blk = t.cfg, t.blocks[1]
-    D = c.head_dim
-    for r in range(world):
-        s = expect_type(shard_block(blk, c, r, world), "shard_block(...)", TPBlock)
-        got_fields = tuple(expect_int(getattr(s, f), f"shard.{f}") for f in ("rank", "world_size", "n_head", "n_kv_head", "head_dim"))
-        assert got_fields == (r, world, H // world, Hkv // world, D) and expect_type(s.family, "shard.family", str) == family, \
-            "rank, world_size, family, this rank's head counts and head_dim"
-        assert s.attn_norm is blk.attn_norm and s.mlp_norm is blk.mlp_norm, "the norms are shared as they are"
-        qh, kh = H // world * D, Hkv // world * D
-        for name, fullm, sl, col in (("q", blk.attn.q_proj, slice(r * qh, (r + 1) * qh), True),
-                                    ("k", blk.attn.k_proj, slice(r * kh, (r + 1) * kh), True),
-                                    ("v", blk.attn.v_proj, slice(r * kh, (r + 1) * kh), True),
-                                    ("o", blk.attn.o_proj, slice(r * qh, (r + 1) * qh), False)):
-            want = fullm.weight[sl] if col else fullm.weight[:, sl]
-            got = _w(getattr(s, name), f"shard.{name}")
-            assert got.shape == want.shape and torch.equal(got, want.detach()), \
-                f"{family}, rank {r} of {world}: shard.{name} holds the wrong slice (whole heads, GQA: KV heads of the same ranks)"
-            if fullm.bias is not None and col:
-                assert getattr(s, name).bias is not None and torch.equal(getattr(s, name).bias.detach(), fullm.bias[sl].detach()), \
-                    f"GPT-2: shard.{name} keeps the bias of its heads"
-        up_full = blk.mlp.up_proj if family == "llama" else blk.mlp.fc
-        dn_full = blk.mlp.down_proj if family == "llama" else blk.mlp.proj
-        f = c.d_ff // world
-        assert torch.equal(_w(s.up, "shard.up"), up_full.weight[r * f:(r + 1) * f].detach()), "up (GPT-2: fc) is column-parallel"
-        assert torch.equal(_w(s.down, "shard.down"), dn_full.weight[:, r * f:(r + 1) * f].detach()), "down (GPT-2: proj) is row-parallel"
-        if family == "llama":
-            assert torch.equal(_w(s.gate, "shard.gate"), blk.mlp.gate_proj.weight[r * f:(r + 1) * f].detach()), "gate is column-parallel"
+    with cases(f"column_parallel and row_parallel on every rank, {dtype}"):
+        full = nn.Linear(12, 24, bias=True, device=env.device, dtype=dtype)
+        nob = nn.Linear(24, 12, bias=False, device=env.device, dtype=dtype)
+        for world, unit in ((1, 1), (2, 4), (3, 2), (4, 3), (6, 1), (12, 2)):
+            got_rows = [_w(column_parallel(full, r, world, unit), "column_parallel") for r in range(world)]
+            assert all(g.dtype == dtype for g in got_rows), "keep the weight's dtype"
+            assert torch.equal(torch.cat(got_rows, 0), full.weight.detach()), \
+                f"world={world}: the ranks' rows, in rank order, must be the whole weight"
+            biases = [column_parallel(full, r, world, unit).bias for r in range(world)]
+            assert all(bb is not None for bb in biases) and torch.equal(torch.cat([bb.detach() for bb in biases]), full.bias.detach()), \
+                "a column-parallel layer keeps the bias of its rows"
+            got_cols = [_w(row_parallel(nob, r, world, unit), "row_parallel") for r in range(world)]
+            assert torch.equal(torch.cat(got_cols, 1), nob.weight.detach()), "the ranks' columns, in order, are the whole weight"
+            assert all(row_parallel(nob, r, world, unit).bias is None for r in range(world)), "no bias stays no bias"
+            assert all(column_parallel(nn.Linear(3, 24, bias=False, device=env.device), r, world, unit).bias is None
+                       for r in range(world)), "a layer without bias gives pieces without bias"
+    with cases(f"row-parallel partial sums add up, the bias once, {dtype}"):
+        xs = torch.randn(3, 2, 24, device=env.device, dtype=dtype)
+        full2 = nn.Linear(24, 5, device=env.device, dtype=dtype)
+        for world in (2, 3, 4):
+            parts = [expect_type(row_parallel(full2, r, world), "row_parallel(...)", nn.Linear) for r in range(world)]
+            assert parts[0].bias is not None and all(p.bias is None or not bool(p.bias.detach().abs().sum())
+                                                      for p in parts[1:]), "the bias of a row-parallel layer: rank 0 only"
+            n = 24 // world
+            with torch.no_grad():
+                tot = sum(p(xs[..., r * n:(r + 1) * n]) for r, p in enumerate(parts))
+                assert torch.allclose(tot, full2(xs), atol=1e-5 if dtype == torch.float32 else 1e-10), \
+                    f"world={world}: partial sums of the row-parallel ranks must add up to the layer (bias once)"
+with cases("uneven pieces, units cut in two, ranks out of range: ValueError"):
+    for bad in ((lambda: column_parallel(nn.Linear(4, 10, device=env.device), 0, 4)),
+                (lambda: column_parallel(nn.Linear(4, 12, device=env.device), 0, 4, unit=6)),
+                (lambda: row_parallel(nn.Linear(9, 4, device=env.device), 0, 2)),
+                (lambda: row_parallel(nn.Linear(12, 4, device=env.device), 0, 3, unit=8)),
+                (lambda: column_parallel(nn.Linear(4, 12, device=env.device), 4, 4)),
+                (lambda: row_parallel(nn.Linear(12, 4, device=env.device), -1, 2))):
+        try:
+            bad()
+        except ValueError:
+            pass
         else:
-            assert s.gate is None, "GPT-2 has no gate"
-            hasb = [p.bias is not None and bool(p.bias.detach().abs().sum()) for p in (s.o, s.down)]
-            assert hasb == [r == 0, r == 0], "row-parallel biases (o and proj) on rank 0 only"
+            raise AssertionError("uneven pieces, units cut in two, and a rank outside 0..world-1 must raise ValueError")
+# the GPT-2 family (MHA, biases) and every rank of several worlds
+for family, H, Hkv, world in (("gpt2", 4, 4, 2), ("gpt2", 4, 4, 4), ("llama", 4, 2, 2), ("llama", 6, 3, 3), ("llama", 4, 4, 1)):
+    with cases(f"shard_block of a {family} block, {H} query and {Hkv} KV heads, on each of {world} ranks"):
+        t = _tiny(family, H, Hkv, seed=world)
+        c, blk_t = t.cfg, t.blocks[1]
+        D = c.head_dim
+        for r in range(world):
+            s = expect_type(shard_block(blk_t, c, r, world), "shard_block(...)", TPBlock)
+            got_fields = tuple(expect_int(getattr(s, f), f"shard.{f}") for f in ("rank", "world_size", "n_head", "n_kv_head", "head_dim"))
+            assert got_fields == (r, world, H // world, Hkv // world, D) and expect_type(s.family, "shard.family", str) == family, \
+                "rank, world_size, family, this rank's head counts and head_dim"
+            assert s.attn_norm is blk_t.attn_norm and s.mlp_norm is blk_t.mlp_norm, "the norms are shared as they are"
+            qh, kh = H // world * D, Hkv // world * D
+            for name, fullm, sl, col in (("q", blk_t.attn.q_proj, slice(r * qh, (r + 1) * qh), True),
+                                        ("k", blk_t.attn.k_proj, slice(r * kh, (r + 1) * kh), True),
+                                        ("v", blk_t.attn.v_proj, slice(r * kh, (r + 1) * kh), True),
+                                        ("o", blk_t.attn.o_proj, slice(r * qh, (r + 1) * qh), False)):
+                want = fullm.weight[sl] if col else fullm.weight[:, sl]
+                got = _w(getattr(s, name), f"shard.{name}")
+                assert got.shape == want.shape and torch.equal(got, want.detach()), \
+                    f"{family}, rank {r} of {world}: shard.{name} holds the wrong slice (whole heads, GQA: KV heads of the same ranks)"
+                if fullm.bias is not None and col:
+                    assert getattr(s, name).bias is not None and torch.equal(getattr(s, name).bias.detach(), fullm.bias[sl].detach()), \
+                        f"GPT-2: shard.{name} keeps the bias of its heads"
+            up_full = blk_t.mlp.up_proj if family == "llama" else blk_t.mlp.fc
+            dn_full = blk_t.mlp.down_proj if family == "llama" else blk_t.mlp.proj
+            f = c.d_ff // world
+            assert torch.equal(_w(s.up, "shard.up"), up_full.weight[r * f:(r + 1) * f].detach()), "up (GPT-2: fc) is column-parallel"
+            assert torch.equal(_w(s.down, "shard.down"), dn_full.weight[:, r * f:(r + 1) * f].detach()), "down (GPT-2: proj) is row-parallel"
+            if family == "llama":
+                assert torch.equal(_w(s.gate, "shard.gate"), blk_t.mlp.gate_proj.weight[r * f:(r + 1) * f].detach()), "gate is column-parallel"
+            else:
+                assert s.gate is None, "GPT-2 has no gate"
+                hasb = [p.bias is not None and bool(p.bias.detach().abs().sum()) for p in (s.o, s.down)]
+                assert hasb == [r == 0, r == 0], "row-parallel biases (o and proj) on rank 0 only"
 # the default model's shape: 9 query heads, 3 KV heads
 smol = course.ModelConfig("llama", 64, 1, 9, 3, 72, 48, 16)
 b9 = course.Decoder(smol).to(env.device).blocks[0]
-s9 = expect_type(shard_block(b9, smol, 2, 3), "shard_block(..., 2, 3)", TPBlock)
-assert (expect_int(s9.n_head, "shard.n_head"), expect_int(s9.n_kv_head, "shard.n_kv_head")) == (3, 1) and _w(s9.k, "k").shape == (8, 72), \
-    "9 query heads and 3 KV heads over 3 ranks: 3 query heads and 1 KV head (8 rows of k) each"
-for world, what in ((2, "n_head"), (9, "n_kv_head"), (6, "n_head")):
-    try:
-        shard_block(b9, smol, 0, world)
-    except ValueError as e:
-        assert what in str(e), f"world={world} with 9 query and 3 KV heads: the error must name {what}"
-    else:
-        raise AssertionError(f"world={world} does not divide 9 query heads and 3 KV heads: ValueError")
+with cases("shard_block of the default model's shape: 9 query heads, 3 KV heads"):
+    s9 = expect_type(shard_block(b9, smol, 2, 3), "shard_block(..., 2, 3)", TPBlock)
+    assert (expect_int(s9.n_head, "shard.n_head"), expect_int(s9.n_kv_head, "shard.n_kv_head")) == (3, 1) and _w(s9.k, "k").shape == (8, 72), \
+        "9 query heads and 3 KV heads over 3 ranks: 3 query heads and 1 KV head (8 rows of k) each"
+with cases("shard_block of 9 and 3 heads over worlds that do not divide them"):
+    for world, what in ((2, "n_head"), (9, "n_kv_head"), (6, "n_head")):
+        try:
+            shard_block(b9, smol, 0, world)
+        except ValueError as e:
+            assert what in str(e), f"world={world} with 9 query and 3 KV heads: the error must name {what}"
+        else:
+            raise AssertionError(f"world={world} does not divide 9 query heads and 3 KV heads: ValueError")
 ### END HIDDEN TESTS
+cases.score()
 """),
 md(r"""
 ## Problem 2: The tensor-parallel block (4 points)
@@ -761,7 +795,10 @@ for world in (2, 3):
     for r, (x, same, sent, calls) in enumerate(run_threads(_ring_fn, world, 6)):
         x = expect_tensor(x, "x after ring_all_reduce(x, comm)", shape=(6,), device=env.device)
         want = (torch.arange(6, device=env.device, dtype=torch.float32) + 1) * sum(range(1, world + 1))
-        assert torch.equal(x, want), f"world {world}, rank {r}: x must become the sum over ranks, in place; got {x.tolist()}"
+        wrong = [i for i, (a, b) in enumerate(zip(x.tensor_split(world), want.tensor_split(world))) if not torch.equal(a, b)]
+        assert not wrong, (f"world {world}, rank {r}: x must become the sum over ranks, in place; got {x.tolist()}: chunks {wrong} "
+                           "do not hold the sum. After the reduce-scatter rank r holds the complete chunk (r + 1) mod W; at "
+                           "all-gather step s it sends chunk (r + 1 - s) mod W and replaces its chunk (r - s) mod W")
         assert expect_bool(same, "ring_all_reduce(x, comm) is x") and calls == 0, "return x itself, and use isend/recv, not comm.all_reduce"
         assert sent == 2 * (world - 1) * 6 * 4 // world, f"world {world}: a rank sends 2(W-1)/W of the buffer, {2 * (world - 1) * 24 // world} bytes; it sent {sent}"
 cfg_t = course.ModelConfig("llama", 64, 30, 9, 3, 576, 1536, 64)
