@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -380,17 +381,76 @@ def _answers_file(path):
     return path
 
 
-def test_write_answers_names_what_the_file_would_miss(tmp_path):
-    from course.dist.torchrun_tp import load_answers, write_answers
+_SCALE = torch.tensor(2.0)
+
+
+def _scaled_mlp(h, shard, comm):        # reads a tensor of this module as a global: no file can hold it
+    return ref_mlp(h, shard, comm) * _SCALE
+
+
+def _whole_then_ref(block, cfg, r, w):  # calls the course's whole_block and a helper of this module
+    assert whole_block(block, cfg).n_head == cfg.n_head
+    return ref_shard(block, cfg, r, w)
+
+
+def test_write_answers_brings_helpers_and_names_what_a_file_cannot_hold(tmp_path):
+    from course.dist.torchrun_tp import import_answers, load_answers, write_answers
 
     path = write_answers(tmp_path / "a.py", [ref_attention, ref_mlp])
     assert "def ref_attention" in path.read_text() and "import torch" in path.read_text()
     with pytest.raises(AttributeError, match="shard_block"):
         load_answers(path)
-    with pytest.raises(ValueError, match="_lin"):
-        write_answers(tmp_path / "b.py", [ref_shard])          # ref_shard calls _lin, which is not in the list
-    module = load_answers(_answers_file(tmp_path / "c.py"))
+    text = write_answers(tmp_path / "b.py", [_whole_then_ref]).read_text()   # helpers come along: ref_shard, _lin
+    assert "def ref_shard" in text and "def _lin" in text and "from course.dist.tp import whole_block" in text
+    moved = import_answers(tmp_path / "b.py")._whole_then_ref(Decoder(LLAMA).blocks[0], LLAMA, 0, 2)
+    assert type(moved) is TPBlock and moved.n_head == 2, "the file runs on its own, in a fresh namespace"
+    with pytest.raises(ValueError, match="_SCALE"):
+        write_answers(tmp_path / "c.py", [_scaled_mlp])
+    module = load_answers(_answers_file(tmp_path / "d.py"))
     assert module.shard_block.__name__ == "ref_shard"
+
+
+_USER = """
+import pathlib, sys, time
+from course.dist.torchrun_tp import answers_file, import_answers
+
+def shard_block(block, cfg, rank, world):
+    return "{user}"
+
+path = answers_file([shard_block])            # lab 12's section 8 writes the answers the same way
+meeting = pathlib.Path(sys.argv[1])
+(meeting / "{user}").write_text(str(path))
+while len(list(meeting.iterdir())) < 2:       # both have written before either runs
+    time.sleep(0.05)
+print(import_answers(path).shard_block(None, None, 0, 1), path)
+"""
+
+
+def test_two_students_on_one_machine_each_run_their_own_answers(tmp_path):
+    """Two students on one server (a Littlest JupyterHub: one /tmp for all) write their answers for
+    torchrun at the same moment: each gets a folder of their own, and each runs their own file."""
+    import subprocess
+
+    shared_tmp, meeting = tmp_path / "tmp", tmp_path / "meeting"
+    shared_tmp.mkdir()
+    meeting.mkdir()
+    procs = {}
+    for user in ("ann", "ben"):
+        home = tmp_path / user
+        home.mkdir()
+        (home / "run.py").write_text(_USER.format(user=user))
+        env = {**os.environ, "TMPDIR": str(shared_tmp), "HOME": str(home)}
+        procs[user] = subprocess.Popen([sys.executable, str(home / "run.py"), str(meeting)], env=env, cwd=home,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ran = {}
+    for user, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        ran[user] = out.split()
+    assert {u: r[0] for u, r in ran.items()} == {"ann": "ann", "ben": "ben"}, f"a student ran another's answers: {ran}"
+    folders = {u: Path(r[1]).parent for u, r in ran.items()}
+    assert folders["ann"] != folders["ben"] and all(f.parent == shared_tmp for f in folders.values())
+    assert all(f.stat().st_mode & 0o077 == 0 for f in folders.values()), "each folder is its owner's alone (0700)"
 
 
 @pytest.mark.slow

@@ -50,7 +50,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import matplotlib.pyplot as plt
@@ -62,7 +61,7 @@ from course.dist import CustomAllReduce, launch, run_threads
 from course.dist.disagg import Engine, ServeRequest, colocated_worker, disaggregated_worker, merge_logs
 from course.dist.pipeline import Stage
 from course.dist.plots import plot_pipeline, plot_serving
-from course.dist.torchrun_tp import write_answers
+from course.dist.torchrun_tp import answers_file, import_answers
 from course.dist.tp import TPBlock, tp_forward, whole_block
 from course.engine import BlockAllocator, PagedKVCache
 from course.expect import expect_bool, expect_float, expect_int, expect_tensor, expect_tuple, expect_type

@@ -310,9 +310,9 @@ Each rank loads the model on its own GPU (`cuda:LOCAL_RANK`) and joins the proce
 model needs 1 or 3 ranks (its 3 KV heads). In full mode the cell below runs it on this machine.
 """),
 code(r'''
-answers_dir = os.path.join(tempfile.gettempdir(), "lab12")       # not the lab's folder: the file holds your answers
-os.makedirs(answers_dir, exist_ok=True)
-answers = write_answers(os.path.join(answers_dir, "my_tp.py"), [column_parallel, row_parallel, shard_block, tp_attention, tp_mlp])
+# a new folder of your own (not the lab's folder: the file holds your answers; not a fixed name in /tmp, which
+# on a shared JupyterHub is everyone's: another student's torchrun could run your file, or you theirs)
+answers = answers_file([column_parallel, row_parallel, shard_block, tp_attention, tp_mlp])
 cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "-m", "course.dist.torchrun_tp",
        "--answers", str(answers)]
 print(f"wrote {answers} (copy it to the GPU machine)\n$ torchrun " + " ".join(cmd[3:]))

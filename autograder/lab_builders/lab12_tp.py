@@ -244,6 +244,13 @@ matrix and computes 1/W of every matmul. Three details make or break it:
 
 Graded case by case: each check of the tests earns its share of the 4 points, and the feedback lists the
 cases that failed.
+
+**One rule for these answers and Problem 2's.** Section 8 runs them in fresh processes under `torchrun`,
+from a file that `answers_file` writes: their source, the source of helper functions of yours they
+call, and imports for the course's functions and the libraries they use. A notebook's data cannot go
+into a file: an answer that reads the model, a tensor or a dict of this notebook as a global fails
+there (pass it as an argument, or build it inside the function). The tests write your answers to such
+a file and run them from it.
 """),
 solution("shard_weights", r'''
 def column_parallel(linear: nn.Linear, rank: int, world: int, unit: int = 1) -> nn.Linear:
@@ -402,6 +409,14 @@ with cases("shard_block names the head count the world does not divide"):
             assert what in str(e), f"the error for world={world} must name {what}, got: {e}"
         else:
             raise AssertionError(f"world={world} does not divide the heads (4 query, 2 KV): raise ValueError naming {what}")
+with cases("run from the file torchrun loads (section 8)"):
+    try:
+        from_file = import_answers(answers_file([column_parallel, row_parallel, shard_block]))
+    except ValueError as e:
+        raise AssertionError(f"your answers cannot be written to a file for torchrun: {e}") from None
+    col = expect_type(from_file.column_parallel(lin, 1, 2), "column_parallel (from the file)", nn.Linear)
+    assert torch.equal(expect_tensor(col.weight.detach(), "column_parallel(...).weight (from the file)", device=env.device),
+                       lin.weight[4:8].detach()), "run from the answers file, column_parallel must give the same rows 4..7"
 ### BEGIN HIDDEN TESTS
 def _w(m, what):
     return expect_tensor(expect_type(m, what, nn.Linear).weight.detach(), what + ".weight", device=env.device)
@@ -636,6 +651,11 @@ assert torch.allclose(a, want_attn, atol=1e-4), "with one rank holding every hea
 assert torch.allclose(m, want_mlp, atol=1e-4), "with one rank, tp_mlp must equal block.mlp(h)"
 assert n_attn == 1 and log == [("all_reduce", (B, T, 32)), ("all_reduce", (B, T, 32))], \
     f"one all-reduce of the (B, T, C) output in each of tp_attention and tp_mlp, nothing else; the comm saw {log}"
+try:                                    # what section 8's torchrun loads: the rule under Problem 1
+    from_file = import_answers(answers_file([tp_attention, tp_mlp]))
+except ValueError as e:
+    raise AssertionError(f"your answers cannot be written to a file for torchrun: {e}") from None
+assert callable(from_file.tp_attention) and callable(from_file.tp_mlp), "the answers file defines tp_attention and tp_mlp"
 ### BEGIN HIDDEN TESTS
 """ + REF_SHARD + r"""
 def _ref_logits_check(t, world, B, T, seed):

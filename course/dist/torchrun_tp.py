@@ -1,8 +1,9 @@
 """Run lab 12's tensor-parallel model under torchrun: several GPUs with NCCL, or CPU ranks with gloo.
 
-From the notebook, write your answers to a file (their source, with the imports they need):
+From the notebook, write your answers to a file (their source, with the helpers and imports they need):
 
-    from course.dist.torchrun_tp import write_answers
+    from course.dist.torchrun_tp import answers_file, write_answers
+    path = answers_file([column_parallel, row_parallel, shard_block, tp_attention, tp_mlp])   # a folder of your own
     write_answers("my_tp.py", [column_parallel, row_parallel, shard_block, tp_attention, tp_mlp])
 
 then, in a terminal, one process per GPU (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*):
@@ -43,25 +44,61 @@ HEADER_NAMES = {"math", "time", "torch", "nn", "F", "TPBlock", "apply_rope"}
 
 def write_answers(path: str | Path, functions: list[Callable], extra_source: str = "") -> Path:
     """Write the source of `functions` (defined in a notebook or a module) to `path`, after the
-    imports lab 12's answers use; `extra_source` for anything else they need (helpers, imports)."""
+    imports lab 12's answers use, with what they need that the notebook defined: the source of
+    the helper functions and classes they call (and of what those call), an import for each module
+    or library function they use. Data (the model, a tensor, a dict) cannot go into a file: an
+    answer that reads one as a global is refused, naming it. `extra_source`: anything else."""
     if not isinstance(functions, (list, tuple)) or not all(callable(f) for f in functions):
         raise TypeError("functions must be a list of functions, e.g. [column_parallel, row_parallel, shard_block, ...]")
-    parts = [HEADER, extra_source.strip()]
-    defined = HEADER_NAMES | {f.__name__ for f in functions} | _bound(extra_source)
-    for f in functions:
-        missing = sorted(_globals_read(f) - defined)
-        if missing:
-            raise ValueError(f"{f.__name__} uses {missing}, which the file would not define: add the functions to "
-                             f"`functions`, and imports or constants to `extra_source`")
-    for f in functions:
-        try:
-            parts.append(inspect.getsource(f).rstrip())
-        except (OSError, TypeError) as e:
-            raise ValueError(f"cannot read the source of {getattr(f, '__name__', f)!r} ({e}): define it in a "
-                             f"notebook cell or a file") from None
+    imports, sources = _needed(list(functions), HEADER_NAMES | _bound(extra_source))
     path = Path(path)
-    path.write_text("\n\n\n".join(p for p in parts if p) + "\n")
+    path.write_text("\n\n\n".join(p for p in [HEADER, *imports, extra_source.strip(), *sources] if p) + "\n")
     return path
+
+
+def answers_file(functions: list[Callable], extra_source: str = "") -> Path:
+    """`write_answers` into `my_tp.py` in a new folder of this user's own (tempfile.mkdtemp): on a
+    shared machine (a JupyterHub on one server) the temporary folder is everyone's, and a fixed path
+    there would let one student's torchrun run another's answers."""
+    import tempfile
+
+    return write_answers(Path(tempfile.mkdtemp(prefix="lab12-answers-")) / "my_tp.py", functions, extra_source)
+
+
+LIBRARIES = ("course", "torch", "numpy", "math", "functools", "itertools", "collections", "typing", "dataclasses")
+
+
+def _needed(functions: list, defined: set[str]) -> tuple[list[str], list[str]]:
+    """(import lines, sources) the answers file needs for `functions`: their sources and, through
+    every global name they read, their helpers' sources (defined in the notebook or a local file) and
+    imports of what libraries provide."""
+    imports, sources, done = [], [], set(defined)
+    todo = [(f.__name__, f) for f in functions]
+    done |= {name for name, _ in todo}
+    while todo:
+        name, f = todo.pop(0)
+        try:
+            sources.append(inspect.getsource(f).rstrip())
+        except (OSError, TypeError) as e:
+            raise ValueError(f"cannot read the source of {name!r} ({e}): define it in a notebook cell or a file") from None
+        readers = [f] if inspect.isfunction(f) else [v for v in vars(f).values() if inspect.isfunction(v)]
+        for reader in readers:
+            for ref in sorted(_globals_read(reader) - done):
+                if not ref.isidentifier():              # a name a tool added (pytest's assert rewriting), not the source's
+                    continue
+                value = reader.__globals__[ref]
+                done.add(ref)
+                home = getattr(value, "__module__", None) or ""
+                if inspect.ismodule(value):
+                    imports.append(f"import {value.__name__}" + (f" as {ref}" if value.__name__ != ref else ""))
+                elif (inspect.isfunction(value) or inspect.isclass(value)) and home.split(".")[0] in LIBRARIES:
+                    imports.append(f"from {home} import {value.__qualname__}" + (f" as {ref}" if value.__qualname__ != ref else ""))
+                elif (inspect.isfunction(value) or inspect.isclass(value)) and value.__name__ == ref:
+                    todo.append((ref, value))                       # a helper of the notebook's: its source too
+                else:
+                    raise ValueError(f"{name} reads `{ref}` ({type(value).__name__}) as a global, which a file cannot "
+                                     f"hold: pass it as an argument, or build it inside the function")
+    return imports, sources
 
 
 def _globals_read(f: Callable) -> set[str]:
@@ -95,14 +132,21 @@ def _bound(source: str) -> set[str]:
     return names
 
 
-def load_answers(path: str | Path):
-    """Import the answers file as a module; it must define shard_block, tp_attention and tp_mlp."""
+def import_answers(path: str | Path):
+    """Import an answers file as a module, as a torchrun rank does (a fresh namespace: only what the
+    file defines and imports)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--answers {path}: no such file (write it with write_answers in the notebook)")
     spec = importlib.util.spec_from_file_location("lab12_answers", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def load_answers(path: str | Path):
+    """Import the answers file as a module; it must define shard_block, tp_attention and tp_mlp."""
+    module = import_answers(path)
     missing = [n for n in NEEDED if not callable(getattr(module, n, None))]
     if missing:
         raise AttributeError(f"{path} does not define {missing}")
