@@ -11,7 +11,8 @@ times there (honest, blank, yes-man, patcher with planted mistakes), and those r
 else: the honest student's graded notebook is the lab's source run (test_labs.py) and the site's
 executed copy (build/executed/), the blank student's is its release run.
 
-At the end, a table of the run's 10 slowest steps (tests, graded submissions, the make set-up).
+At the end, a table of the run's 10 slowest steps (tests, graded submissions, the make set-up),
+and every step in build/test-steps.tsv.
 """
 import os
 import shutil
@@ -107,5 +108,9 @@ def pytest_terminal_summary(terminalreporter, config):
     if not steps:
         return
     terminalreporter.write_sep("=", "the 10 slowest steps of this run")
-    for name, seconds in sorted(steps, key=lambda s: -s[1])[:10]:
+    steps.sort(key=lambda s: -s[1])
+    for name, seconds in steps[:10]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {name}")
+    if MAKE_STEPS.parent.is_dir():      # every step, for whoever makes the run faster
+        (MAKE_STEPS.parent / "test-steps.tsv").write_text("".join(f"{s:.1f}\t{n}\n" for n, s in steps))
+        terminalreporter.write_line(f"(all {len(steps)} steps: {MAKE_STEPS.parent / 'test-steps.tsv'})")

@@ -33,8 +33,8 @@ one can cost far more than running them. Engines capture the step in a **CUDA gr
 
 **Time:** about 2 hours 25 minutes: 35 minutes of reading, four problems (the FLOP and byte count
 about 30 minutes, the graph 20, the streaming generator and its metrics 25, the memory budget 15),
-25 minutes for the written questions at the end, and 3-5 minutes of running on a laptop CPU (about
-1-1.5 minutes on a GPU). **Hardware:** everything
+25 minutes for the written questions at the end, and about a minute of running on a laptop CPU (54 s
+measured on 2 cores; about 1-1.5 minutes on a GPU). **Hardware:** everything
 runs on a CPU. On a GPU the same cells use it, with the model in bf16 (fp16 on a T4), the roofline
 from the GPU's datasheet for that dtype, and two measurements only a GPU can make (real CUDA graphs,
 `torch.compile`). Timings depend on your machine and on what else runs on it: read your own

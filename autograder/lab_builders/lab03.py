@@ -26,8 +26,8 @@ has one, and it soon becomes the largest thing in GPU memory, which is what labs
 
 **Time:** about 2 hours 20 minutes: 30 minutes of reading, four problems (cached attention about 35
 minutes, threading the cache through the model 20, the generate loop 20, the cache size 10), 20
-minutes for the written questions at the end, and 2-5 minutes of running on a laptop CPU (the last measurement, up to 256 new tokens without a cache, takes
-most of it; with `COURSE_QUICK=1` it stops at 16 tokens), about 2 minutes on a GPU (up to 2 more if
+minutes for the written questions at the end, and about 3.5 minutes of running on a laptop CPU (measured on 2
+cores; the last measurement, up to 256 new tokens without a cache, takes most of it; with `COURSE_QUICK=1` it stops at 16 tokens), about 2 minutes on a GPU (up to 2 more if
 you turn on the `torch.compile` comparison). **Hardware:** everything runs on a CPU. On a GPU the model
 runs in bf16 (fp16 on a T4) and the last section adds the cache with its decode step in a CUDA graph,
 a measurement only a GPU can make, and, in full mode, Hugging Face's generate beside it and, if you

@@ -32,7 +32,8 @@ in every serving engine (vLLM, SGLang, TGI), and you will build it today.
 
 **Time:** about 2 hours 50 minutes: 35 minutes of reading, four problems (left padding about 20
 minutes, static batching 30, the scheduler 25, the engine step 30), 25 minutes for the written
-questions at the end, and 2-5 minutes of running on a laptop CPU (2-3 minutes on a GPU). **Hardware:** everything runs on a CPU, with the measurements
+questions at the end, and about 5 minutes of running on a laptop CPU (measured on 2 cores: the batch-size
+sweep takes most of it; 2-3 minutes on a GPU). **Hardware:** everything runs on a CPU, with the measurements
 sized down there; on a GPU the model runs in bf16 (fp16 on a T4), the workloads are larger, and the
 engine's decode steps can run from CUDA graphs.
 """),

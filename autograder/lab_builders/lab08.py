@@ -92,8 +92,8 @@ costs speed, never quality.
 
 **Time:** about 3 hours 55 minutes: 40 minutes of reading, six problems (appending and rolling back about 25
 minutes, the draft and prompt lookup about 20 each, greedy acceptance 15, rejection sampling and the
-speculative step about 40 each), 25 minutes for the written questions at the end, and 3-5 minutes of
-running on a laptop CPU. **Hardware:** everything runs on a laptop CPU in a few minutes; a GPU is
+speculative step about 40 each), 25 minutes for the written questions at the end, and about 4 minutes of
+running on a laptop CPU (measured on 2 cores). **Hardware:** everything runs on a laptop CPU; a GPU is
 used when there is one.
 """),
 locked("colab_install", COLAB_INSTALL),

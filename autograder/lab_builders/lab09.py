@@ -88,7 +88,7 @@ of the paged blocks of lab 05.
 
 **Time:** about 3 hours 35 minutes: 35 minutes of reading, five problems (block hashes 15 minutes,
 the block pool 35, the prefix cache 30, the prefill 25, the radix tree 45), 25 minutes for the
-written questions at the end, and 2-3 minutes of running on a laptop CPU. **Hardware:** everything runs on a laptop CPU (small workloads there);
+written questions at the end, and about a minute of running on a laptop CPU (66 s measured on 2 cores). **Hardware:** everything runs on a laptop CPU (small workloads there);
 on a GPU the workloads grow, and section 6 shows what the cache is worth there.
 """),
 locked("colab_install", COLAB_INSTALL),

@@ -83,8 +83,8 @@ measure first with **chunked prefill** (Sarathi-Serve, 2024).
 
 **Time:** about 5 hours: 1 hour of reading, seven problems (the async engine about 45 minutes, text
 streaming 30, server-sent events 20, request checks 30, the load generator 25, the metrics 20, the
-scheduler 25), 30 minutes for the written questions at the end, and about 10 minutes of running on
-a laptop CPU. **Hardware:** everything runs on a laptop CPU (2 cores suffice; the loads are sized down
+scheduler 25), 30 minutes for the written questions at the end, and about 4 minutes of running on
+a laptop CPU (3.7 minutes measured on 2 cores). **Hardware:** everything runs on a laptop CPU (2 cores suffice; the loads are sized down
 there), and on a GPU when there is one. The server only ever listens on 127.0.0.1 (this machine).
 """),
 locked("colab_install", COLAB_INSTALL),
