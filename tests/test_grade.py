@@ -340,6 +340,24 @@ def test_self_check_reads_partial_credit_and_finds_the_notebook_headless(tmp_pat
     assert not half.passed and "partial credit 1 of 2" in half.message and "square(2): x times x" in half.message
 
 
+@pytest.mark.slow
+def test_self_check_runs_in_a_headless_kernel(tmp_path):
+    """self_check() as the last cell of a notebook that nbconvert/papermill execute (no session path
+    in the kernel): it finds the notebook in its folder and reports its tests."""
+    from autograder.checks import execute_notebook
+
+    nb = nbformat.v4.new_notebook(cells=[
+        authoring.solution("sq", "def square(x):\n    ### BEGIN SOLUTION\n    return x * x\n    ### END SOLUTION"),
+        authoring.tests("sq_ok", 1, "assert square(3) == 9, 'square(3) is 9'"),
+        nbformat.v4.new_code_cell("from course.selfcheck import self_check\nchecks = self_check()"),
+    ])
+    nbformat.write(nb, tmp_path / "lab.ipynb")
+    done = execute_notebook(tmp_path / "lab.ipynb", timeout=120)
+    shown = "".join(o.get("text", "") for o in done.cells[-1].outputs)
+    assert not any(o.output_type == "error" for o in done.cells[-1].outputs), done.cells[-1].outputs
+    assert "pass  sq_ok" in shown and "1 of 1 points pass" in shown, shown
+
+
 # --- each tamper defense, with and without the guard ----------------------------------------------
 
 PATCHES = [

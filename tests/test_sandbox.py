@@ -322,7 +322,7 @@ def test_a_cell_that_runs_out_of_memory_gets_a_new_kernel(tmp_path):
     replaced after it, as after a death, and only the bomb's cell is lost."""
     nb = _tiny_notebook("x = 3", "hog = []\nwhile True:\n    hog.append(bytearray(1 << 28))",
                         "import torch\nprint(torch.ones(1 << 28).sum().item() + x)")
-    box = sb.Sandbox(run_dir=tmp_path / "run", lab="lab", limits=sb.Limits(memory_bytes=6 << 30))
+    box = sb.Sandbox(run_dir=tmp_path / "run", lab="lab", limits=sb.Limits(memory_bytes=4 << 30))
     run = asyncio.run(run_notebook(nb, ["student", "student", "test"], box, RunLimits(cell_timeout=120), {}, {}))
     assert run.stopped is None and run.deaths == [(1, "ran out of memory (MemoryError); the kernel was replaced")]
     assert nb.cells[2].outputs[0].text == f"{(1 << 28) + 3}.0\n", nb.cells[2].outputs

@@ -964,7 +964,7 @@ bigger step takes longer, so each user's tokens arrive more slowly: the **time p
 read it after the sweep, from your own columns. Sweep the batch size:
 """),
 code(r"""
-sweep = env.pick([4, 8, 16], [2, 4, 8], cpu=[1, 2, 4, 8])   # small batches run the slowest (serial) eager steps
+sweep = env.pick([4, 8, 16], [2, 8], cpu=[1, 2, 4, 8])   # small batches run the slowest (serial) eager steps
 curves = {"static": [], "continuous": []} | ({"continuous + CUDA graphs": []} if env.gpu else {})
 engines = {"static": static_serve, "continuous": continuous_generate,
            "continuous + CUDA graphs": lambda m, w, b: continuous_generate(m, w, b, graphs=True)}
