@@ -78,20 +78,33 @@ def answer(grade_id: str, points: float, questions: str, *, model: str, rubric: 
     return nbformat.v4.new_markdown_cell(source, metadata=_nbgrader(grade_id, grade=True, solution=True, locked=False, points=points))
 
 
-def write_notebook(path: str | Path, cells: list) -> Path:
-    """Write an nbgrader source notebook (no outputs, Python 3 kernel) and validate it."""
-    nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": KERNEL, "language_info": {"name": "python"}})
+def _content_ids(cells: list) -> None:
+    """Ids from content, not random: rebuilding an unchanged lab changes nothing."""
     seen: dict[str, int] = {}
-    for cell in nb.cells:  # ids from content, not random: rebuilding an unchanged lab changes nothing
+    for cell in cells:
         digest = hashlib.sha1(cell.source.encode()).hexdigest()[:10]
         seen[digest] = seen.get(digest, 0) + 1
         cell.id = digest if seen[digest] == 1 else f"{digest}-{seen[digest]}"
+
+
+def write_notebook(path: str | Path, cells: list) -> Path:
+    """Write an nbgrader source notebook (no outputs, Python 3 kernel) and validate it."""
+    from autograder.gpu_record import with_records
+
+    nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": KERNEL, "language_info": {"name": "python"}})
+    _content_ids(nb.cells)
+    path = Path(path)
+    # what a GPU printed for its GPU-only cells, for readers without one (autograder/gpu_record.py)
+    nb.cells, stale = with_records(path.parent.name, nb.cells)
+    _content_ids(nb.cells)
+    if stale:
+        print(f"{path.parent.name}: {len(stale)} recorded GPU outputs left out, their cells changed since "
+              f"(rerun the GPU proof with --keep, then python -m autograder.gpu_record): {', '.join(stale)}")
     ids = [c.metadata["nbgrader"]["grade_id"] for c in cells if "nbgrader" in c.metadata]
     dupes = {i for i in ids if ids.count(i) > 1}
     if dupes:
         raise ValueError(f"grade_id must be unique in a notebook; repeated: {sorted(dupes)}")
     nbformat.validate(nb)
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, path)
     return path

@@ -240,9 +240,11 @@ def score_notebook(nb) -> tuple[list[Cell], dict[str, str]]:
 
 
 def run_lab(lab: str, mode: str, timeout: int, keep: Path | None = None, labs_dir: Path = LABS,
-            threads: int | None = None) -> LabRun:
+            threads: int | None = None, concurrent: int = 1) -> LabRun:
     """Execute a lab's source in `mode` in a fresh kernel (cwd: the lab's folder); score it. `threads`:
-    the kernel's CPU threads (OMP_NUM_THREADS), for a lab that shares the machine with others."""
+    the kernel's CPU threads (OMP_NUM_THREADS), for a lab that shares the machine with others. A kept
+    notebook carries the run's facts (`gpu_record.RUN_KEY`), so that its GPU-only outputs can be shown
+    to readers without a GPU (`python -m autograder.gpu_record`)."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
@@ -269,6 +271,13 @@ def run_lab(lab: str, mode: str, timeout: int, keep: Path | None = None, labs_di
             run.measurements = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     run.cells, run.errors = score_notebook(nb)
     if keep is not None:
+        from autograder.gpu_record import RUN_KEY, commit_label
+
+        facts = device_facts()
+        nb.metadata[RUN_KEY] = {
+            "device": facts.get("device", "no GPU"), "torch": facts["torch"], "triton": facts["triton"],
+            "dtype": "bfloat16" if facts.get("bf16") == "yes" else "float16", "mode": mode,
+            "concurrent": concurrent, "commit": commit_label(), "date": time.strftime("%Y-%m-%d")}
         keep.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, keep / f"{lab}.{mode}.ipynb")
     return run
@@ -397,10 +406,10 @@ def write_report(path: Path, facts: dict, runs: list[LabRun], steps: list[Step],
 def _run_lab_job(job: tuple) -> LabRun | None:
     """run_lab in a worker process (spawned: the parent has touched CUDA); None when the wall-clock
     `stop_at` (time.time(), or None) passed before it could start; `threads`: its share of the CPU cores."""
-    lab, mode, timeout, keep, stop_at, threads = job
+    lab, mode, timeout, keep, stop_at, threads, concurrent = job
     if stop_at is not None and time.time() >= stop_at:
         return None
-    return run_lab(lab, mode, timeout, keep, threads=threads)
+    return run_lab(lab, mode, timeout, keep, threads=threads, concurrent=concurrent)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -467,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_at = None if args.deadline is None else time.time() + left()
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             share = max(1, (os.cpu_count() or 1) // jobs)    # each lab its share of the cores, not all of them each
-            for lab, r in zip(labs, pool.map(_run_lab_job, [(lab, mode, args.timeout, args.keep, stop_at, share)
+            for lab, r in zip(labs, pool.map(_run_lab_job, [(lab, mode, args.timeout, args.keep, stop_at, share, jobs)
                                                             for lab in labs])):
                 done(r, lab, mode)
     for name, wanted, run in (("CUDA under the grading limits", True, grading_cuda_check),

@@ -3,6 +3,7 @@ as nbgrader would, runs a lab and collects what it recorded, and writes its repo
 import subprocess
 import sys
 
+import nbformat
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
 from autograder import REPO, authoring
@@ -39,8 +40,11 @@ def test_a_lab_run_collects_scores_and_measurements(tmp_path, monkeypatch):
                        "import torch\nrecord('threads', torch.get_num_threads(), '', 'its share of the cores')"),
     ])
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    run = run_lab("00_tiny", "quick", timeout=120, labs_dir=tmp_path, threads=1)      # a lab sharing the machine
+    run = run_lab("00_tiny", "quick", timeout=120, labs_dir=tmp_path, threads=1, keep=tmp_path / "kept", concurrent=3)
     assert run.ok and run.score == 1, (run.failure, run.errors, run.cells)
+    kept = nbformat.read(tmp_path / "kept" / "00_tiny.quick.ipynb", 4)       # what gpu_record reads: the run's facts
+    facts = kept.metadata["course_gpu_run"]
+    assert (facts["mode"], facts["concurrent"], facts["device"]) == ("quick", 3, "no GPU") and facts["commit"] and facts["torch"]
     assert run.measurements == [{"key": "twice", "value": 4.0, "unit": "x", "claim": "f doubles", "device": "cpu"},
                                 {"key": "optional_on", "value": 1.0, "unit": "", "claim": "the proof turns it on"},
                                 {"key": "threads", "value": 1.0, "unit": "", "claim": "its share of the cores"}]
@@ -131,7 +135,7 @@ def test_a_quick_job_past_its_wall_clock_stop_does_not_start():
     import time
 
     from autograder.gpu_check import _run_lab_job
-    assert _run_lab_job(("01_inference", "quick", 900, None, time.time() - 1, 4)) is None
+    assert _run_lab_job(("01_inference", "quick", 900, None, time.time() - 1, 4, 2)) is None
 
 
 def test_the_grading_cuda_check_fails_on_a_machine_where_cuda_cannot_start():

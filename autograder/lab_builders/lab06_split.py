@@ -17,10 +17,11 @@ code(r"""
 SMS = {"T4": 40, "A100": 108, "H100": 132}      # streaming multiprocessors, from NVIDIA's datasheets
 if env.gpu:
     SMS[torch.cuda.get_device_name(0)] = torch.cuda.get_device_properties(0).multi_processor_count
-print(f"{'sequences x context':>20} {'v2 programs':>12}" + "".join(f"{'SMs with work, ' + n:>24}" for n in SMS))
+w = max(len(name) for name in SMS) + 17                # each column as wide as its heading, and two spaces
+print(f"{'sequences x context':>20} {'v2 programs':>12}" + "".join(f"{'SMs with work, ' + n:>{w}}" for n in SMS))
 for B, ctx in ((32, 1024), (8, 8192), (1, 8192)):
     programs = B * cfg.n_kv_head
-    print(f"{f'{B} x {ctx}':>20} {programs:>12}" + "".join(f"{min(programs, n) / n:>24.0%}" for n in SMS.values()))
+    print(f"{f'{B} x {ctx}':>20} {programs:>12}" + "".join(f"{min(programs, n) / n:>{w}.0%}" for n in SMS.values()))
 """),
 md(r"""
 With 8 sequences of 8k tokens, v2 gives work to 24 of an H100's 132 SMs, however fast each program
