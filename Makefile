@@ -95,7 +95,8 @@ release: setup
 # container made for grading.
 grade: setup $(if $(filter off,$(SANDBOX)),,sandbox-tools)
 	$(BIN)/python -m autograder.grade --jobs $(JOBS) --sandbox $(or $(SANDBOX),on) \
-	  $(if $(ZIP),--zip $(ZIP)) $(if $(STUDENTS),--students $(STUDENTS)) $(GRADE_ARGS) $(LABS)
+	  $(if $(ZIP),--zip $(ZIP)) $(if $(STUDENTS),--students $(STUDENTS)) $(if $(SCHEDULER),--scheduler $(SCHEDULER)) \
+	  $(if $(filter 1 yes true,$(RESUME)),--resume) $(GRADE_ARGS) $(LABS)
 
 # Written answers, graded by a person: JupyterLab in the course root, where nbgrader's formgrader finds
 # autograder/nbgrader_config.py and the gradebook `make grade` filled (open /formgrader, Manual Grading).

@@ -3,9 +3,12 @@
     make grade                                  # autograder/submitted/<student>/<lab>/<lab>.ipynb
     make grade ZIP=downloads.zip STUDENTS=class.csv JOBS=2
     make grade SANDBOX=off                      # only inside a container that exists for grading
+    make grade SCHEDULER=tcp://HOST:8786        # on a Dask cluster's workers (autograder/grade/cluster.py)
+    make grade RESUME=1                         # only what an earlier, interrupted run left ungraded
 
 See autograder/GUIDE.md. Exit status: 0 when the run finished (whatever the scores), 2 when it
-could not start (no sandbox, bad arguments).
+could not start (no sandbox, bad arguments), 3 when the Dask scheduler went away mid-run (what was
+graded is kept: rerun with RESUME=1).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from autograder.grade.cluster import ClusterLost
 from autograder.grade.pipeline import Config, grade_all
 from autograder.grade.sandbox import SandboxUnavailable
 
@@ -25,6 +29,9 @@ def parse(argv: list[str] | None = None) -> Config:
     p.add_argument("--students", type=Path, help="class list CSV (id, name, email): the missing get 0")
     p.add_argument("--student", action="append", default=[], help="grade only this student (repeatable)")
     p.add_argument("--jobs", type=int, default=d.jobs, help="submissions graded at once (default 1)")
+    p.add_argument("--scheduler", help="a Dask scheduler's address (tcp://HOST:8786): grade on its workers; "
+                   "--jobs is then ignored (each worker process grades one notebook at a time)")
+    p.add_argument("--resume", action="store_true", help="skip submissions an earlier run graded from the same file")
     p.add_argument("--sandbox", choices=["on", "off"], default="on", help="off: no bubblewrap (loudly flagged)")
     p.add_argument("--gpu", action="store_true", help="give the sandbox the NVIDIA devices (GPU machines)")
     p.add_argument("--timeout", type=int, default=0, help="seconds per cell (default: nbgrader_config.py)")
@@ -54,6 +61,7 @@ def parse(argv: list[str] | None = None) -> Config:
         p.error(f"--memory must be GiB per kernel > 0 (e.g. 8), got {a.memory}")
     return Config(submitted=a.submitted, autograded=a.autograded, feedback=a.feedback, gradebook=a.gradebook,
                   out=a.out, labs_dir=a.labs_dir, labs=a.labs, only=a.student, students=a.students, zip=a.zip, jobs=a.jobs,
+                  scheduler=a.scheduler or None, resume=a.resume,
                   sandbox=a.sandbox == "on", gpu=a.gpu, cell_timeout=a.timeout, budget=a.budget,
                   memory_gib=a.memory, quick=not a.full, keep=a.keep,
                   hidden_messages=not a.no_hidden_messages)
@@ -70,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"make grade: {e}", file=sys.stderr)
         return 2
+    except ClusterLost as e:
+        print(f"make grade: STOPPED: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -94,6 +94,7 @@ class Outcome:
     errors: dict[str, str] = field(default_factory=dict)   # cell label -> 'Name: message' (any cell)
     manual: list[ManualAnswer] = field(default_factory=list)   # written answers, graded by a person (not in score)
     seconds: float = 0.0
+    submission_sha256: str = ""   # what was graded: a rerun with RESUME=1 skips it while the file is unchanged
 
     def flag(self, code: str, detail: str = "", cell: str | None = None) -> None:
         """Add a flag once (same code, cell and detail)."""

@@ -9,20 +9,20 @@ or runs past its budget becomes that student's `grader-error`, with the reason.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import nbformat
 
 from autograder import GRADEBOOK, LABS, REPO, ROOT, lab_names, lab_notebook, load_config
-from autograder.grade import collect, feedback, gradebook, report, sandbox
+from autograder.grade import cluster, collect, feedback, gradebook, progress, report, sandbox
 from autograder.grade.execute import RunLimits
 from autograder.grade.outcome import CellResult, Outcome
 from autograder.grade.repair import cell_kind, grade_id
@@ -45,6 +45,8 @@ class Config:
     students: Path | None = None
     zip: Path | None = None
     jobs: int = 1
+    scheduler: str | None = None               # a Dask scheduler's address: grade on its workers (cluster.py)
+    resume: bool = False                       # skip what an earlier run graded from the same submission file
     sandbox: bool = True
     gpu: bool = False
     cell_timeout: int = 0                      # 0: nbgrader_config.py's Execute.timeout
@@ -112,21 +114,45 @@ def grade_all(cfg: Config, log=print) -> list[Outcome]:
             log(f"kept the work folders in {tmp}")
 
 
-def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
+def model_cache(tmp: Path, sandboxed: bool) -> Path | None:
+    """The converted model's folder for the kernels to read (None when it is not converted here): as it
+    is, or, when the grader is root and sandboxes, a copy the kernels' own uid can read."""
     from course.models.store import cache_dir
 
     cache = cache_dir() / "SmolLM2-135M-Instruct"
     cache = cache.parent if cache.is_dir() else None
-    if cfg.sandbox:
-        if cache is not None and os.geteuid() == 0 and not sandbox.readable_by_others(cache):
-            cache = sandbox.readable_copy(cache, tmp / "model-cache")   # the kernel's own uid must read it
+    if sandboxed and cache is not None and os.geteuid() == 0 and not sandbox.readable_by_others(cache):
+        cache = sandbox.readable_copy(cache, tmp / "model-cache")
+    return cache
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _already_graded(cfg: Config, found: dict) -> set:
+    """(student, lab) pairs an earlier run graded from the same submission file (RESUME=1 skips them);
+    a grader-error is graded again."""
+    done = set()
+    for key, path in found.items():
+        kept = cfg.out / "outcomes" / key[0] / f"{key[1]}.json"
+        if kept.is_file():
+            o = Outcome.from_json(kept.read_text())
+            if o.status == "graded" and o.submission_sha256 == _sha256(path):
+                done.add(key)
+    return done
+
+
+def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
+    cache = model_cache(tmp, cfg.sandbox)
+    if cfg.sandbox and not cfg.scheduler:   # a cluster's workers check their own sandboxes (cluster.py)
         canary = tmp / "canary"          # the grader's /tmp must not be the kernel's
         canary.write_text("not for students")
         hidden = [cfg.labs_dir.resolve(), ROOT, cfg.submitted.resolve(), Path.home() / ".cache", canary]
         if cfg.gradebook is not None:
             hidden.append(cfg.gradebook.resolve())
         log(sandbox.preflight(tmp / "preflight", hidden, cache))
-    else:
+    elif not cfg.sandbox:
         log("!" * 78 + "\n!!! SANDBOX=off: student code runs with YOUR rights, network and files. Only do this\n"
             "!!! inside a container or VM that exists for grading. Every result is flagged sandbox-off.\n" + "!" * 78)
     if cfg.gradebook is not None:  # SQLite creates the file, not its folder (else: a misleading "db upgrade" error)
@@ -134,35 +160,52 @@ def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
     releases = {lab: generate_release(lab, cfg.labs_dir, tmp / "release", cfg.gradebook) for lab in labs}
     sources = {lab: lab_notebook(lab, cfg.labs_dir) for lab in labs}
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cfg.jobs))
-    env = {"COURSE_QUICK": "1" if cfg.quick else "0", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env = {"COURSE_QUICK": "1" if cfg.quick else "0"}
+    if not cfg.scheduler:           # on a cluster each worker gives its kernels its own threads (cluster.py)
+        env |= {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     limits = {"memory_bytes": int(cfg.memory_gib * (1 << 30)), "cpu_seconds": cfg.budget, "processes": cfg.processes}
-    if cfg.gpu:  # fail closed: a kernel whose CUDA cannot start would grade on the CPU without a word
+    if cfg.gpu and not cfg.scheduler:  # fail closed: a kernel whose CUDA cannot start would grade on the CPU without a word
         log(sandbox.preflight_gpu(tmp / "preflight-gpu", sandbox.Limits(**limits), cache, enabled=cfg.sandbox))
     run_limits = asdict(RunLimits(cell_timeout=cell_timeout, budget=cfg.budget, widget_state=cfg.widget_state))
+    skip = _already_graded(cfg, found) if cfg.resume else set()
+    if skip:
+        log(f"RESUME: {len(skip)} submission(s) already graded from the same file, kept as they are")
     jobs = []
     for (student, lab), path in sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if (student, lab) in skip:
+            continue
         work = tmp / "jobs" / lab / student
         work.mkdir(parents=True)
         jobs.append(Job(student, lab, str(path), str(sources[lab]), str(releases[lab]), str(work),
                         [str(p) for p in _data_files(sources[lab].parent)], str(cache) if cache else None,
                         cfg.sandbox, cfg.gpu, env, limits, run_limits))
-    log(f"grading {len(jobs)} submission(s) of {', '.join(labs)} with {cfg.jobs} job(s), "
+    backend = (cluster.DaskCluster(cfg.scheduler, log, cfg.sandbox, cfg.gpu, limits) if cfg.scheduler
+               else cluster.LocalPool(cfg.jobs))
+    log(f"grading {len(jobs)} submission(s) of {', '.join(labs)} on {backend.where}, "
         f"cell timeout {cell_timeout} s, budget {cfg.budget} s per notebook")
     roster = {s.id: s for s in students}
     outcomes: list[Outcome] = []
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
-        futures = {pool.submit(_run_worker, job, cfg.budget + 300): job for job in jobs}
-        for n, fut in enumerate(as_completed(futures), 1):
-            job = futures[fut]
-            outcome = fut.result()
-            if roster and job.student not in roster:
-                outcome.flag("unlisted", "not on the student list")
-            _record(cfg, outcome, job, roster.get(job.student))
-            _keep(cfg, outcome)
-            outcomes.append(outcome)
-            log(f"[{n}/{len(jobs)}] {job.student} {job.lab}: {outcome.score:g}/{outcome.max_score:g}"
-                f"{'  ' + outcome.flag_summary() if outcome.flags else ''} ({outcome.seconds:.0f} s)")
+    lost = None
+    try:
+        with progress.Progress(len(jobs), log) as bar:
+            futures = {backend.submit(job, cfg.budget + 300): job for job in jobs}
+            for fut in backend.as_completed(list(futures)):
+                job = futures[fut]
+                outcome = backend.outcome(fut, job)
+                outcome.submission_sha256 = _sha256(job.submission)
+                if roster and job.student not in roster:
+                    outcome.flag("unlisted", "not on the student list")
+                _record(cfg, outcome, job, roster.get(job.student))
+                _keep(cfg, outcome)
+                outcomes.append(outcome)
+                bar.done(f"{job.student} {job.lab}: {outcome.score:g}/{outcome.max_score:g}"
+                         f"{'  ' + outcome.flag_summary() if outcome.flags else ''} ({outcome.seconds:.0f} s)",
+                         failed=outcome.status != "graded")
+    except cluster.ClusterLost as e:
+        lost = e
+    finally:
+        backend.close()
     for s in students:
         for lab in labs:
             if (s.id, lab) not in found:
@@ -172,11 +215,17 @@ def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
                 _keep(cfg, out)
                 outcomes.append(out)
     every = _kept(cfg)   # this run's outcomes and the earlier ones it did not redo (re-grading one student)
+    took = time.monotonic() - start
+    ran = sum(1 for o in outcomes if o.submission_sha256)    # graded or failed here, not the absent
+    run = (f"this run graded {ran} notebook(s) in {took:.0f} s on {backend.where}"
+           + (f" ({60 * ran / took:.1f} per minute)" if ran and took > 0 else ""))
     csv_path = report.write_csv(every, cfg.out / "grades.csv")
-    html_path = report.write_report(every, cfg.out / "report.html")
+    html_path = report.write_report(every, cfg.out / "report.html", run=run)
+    if lost is not None:
+        raise lost
     graded = sum(o.status == "graded" for o in outcomes)
     flagged = sum(any(f.severity != "info" for f in o.flags) for o in outcomes)
-    log(f"done in {time.monotonic() - start:.0f} s: {graded} graded, {len(outcomes) - graded} without a score, "
+    log(f"done in {took:.0f} s on {backend.where}: {graded} graded, {len(outcomes) - graded} without a score, "
         f"{flagged} flagged (grades.csv and the report cover {len(every)}, earlier runs included)\n  grades:   {csv_path}\n  report:   {html_path}\n  feedback: {cfg.feedback}/<student>/<lab>/")
     written = [o for o in outcomes if any(m.answered for m in o.manual)]
     if written:
@@ -198,6 +247,17 @@ def _kept(cfg: Config) -> list[Outcome]:
     return [Outcome.from_json(p.read_text()) for p in sorted((cfg.out / "outcomes").glob("*/*.json"))]
 
 
+def _die_with_parent() -> None:
+    """In the grading process, before it starts: on Linux, SIGKILL it when the thread that started it
+    goes (a Dask worker killed mid-job), so that no orphan goes on grading; its kernel follows it
+    (bubblewrap's --die-with-parent). Elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+
+
 def _run_worker(job: Job, timeout: int) -> Outcome:
     """Grade one job in its own process; any failure becomes the student's stated `grader-error`."""
     work = Path(job.work)
@@ -207,7 +267,8 @@ def _run_worker(job: Job, timeout: int) -> Outcome:
     with open(work / "worker.log", "wb") as logf:
         try:
             subprocess.run([sys.executable, "-m", "autograder.grade.worker", str(path)], cwd=REPO, env=env,
-                           stdout=logf, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+                           stdout=logf, stderr=subprocess.STDOUT, timeout=timeout, check=False,
+                           preexec_fn=_die_with_parent)
             reason = None
         except subprocess.TimeoutExpired:
             reason = f"the grading process ran past {timeout} s and was stopped"

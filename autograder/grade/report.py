@@ -105,7 +105,8 @@ def _lab_section(lab: str, outcomes: list[Outcome]) -> str:
     return "\n".join(parts)
 
 
-def write_report(outcomes: list[Outcome], path: Path, title: str = "Class report") -> Path:
+def write_report(outcomes: list[Outcome], path: Path, title: str = "Class report", run: str = "") -> Path:
+    """The class report; `run` says how this run went (how long, on how many workers)."""
     by_lab: dict[str, list[Outcome]] = defaultdict(list)
     for o in outcomes:
         by_lab[o.lab].append(o)
@@ -122,7 +123,7 @@ def write_report(outcomes: list[Outcome], path: Path, title: str = "Class report
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>{CSS}</style></head><body>
 <h1>{html.escape(title)}</h1><p><small>made {datetime.now():%Y-%m-%d %H:%M} by <code>make grade</code>;
-{len(students)} students, {len(labs)} labs</small></p>
+{len(students)} students, {len(labs)} labs{"; " + html.escape(run) if run else ""}</small></p>
 {"".join(_lab_section(lab, by_lab[lab]) for lab in labs)}
 <h2>All grades</h2><table><tr><th>student</th>{"".join(f"<th>{html.escape(lab)}</th>" for lab in labs)}</tr>{rows}</table>
 <p><small>* flagged: see the lab's table above.</small></p>

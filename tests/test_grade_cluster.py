@@ -1,0 +1,138 @@
+"""`make grade SCHEDULER=...`: grading on a real Dask cluster (a `dask scheduler` and `dask worker`
+processes on loopback) gives the grades this machine gives, survives a worker killed mid-job, keeps
+a worker that fails its sandbox check out of the work, and resumes what a lost scheduler left."""
+import csv
+import io
+import os
+import signal
+import sqlite3
+import threading
+import time
+
+import nbformat
+import pytest
+
+from autograder import authoring
+from autograder.grade import cluster, progress
+from autograder.grade.pipeline import Config, grade_all
+from autograder.grade.worker import Job
+from dask_cluster import dask_cluster
+
+LAB = "00_tiny"
+SLOW = "s4"                 # sleeps in its answer: the worker grading it is killed mid-job
+ANSWERS = {"s0": "return 2", "s1": "return 3", "s2": "raise ValueError('no')", "s3": "return 2",
+           SLOW: "import time\n    time.sleep(12)\n    return 2", "s5": "return '2'", "s6": "pass", "s7": "return 1 + 1"}
+SCORES = {"s0": 2, "s1": 0, "s2": 0, "s3": 2, SLOW: 2, "s5": 0, "s6": 0, "s7": 2}
+
+
+def _class(root):
+    """A two-point lab and eight students' notebooks (nbgrader's layout) under `root`."""
+    source = authoring.write_notebook(root / "labs" / LAB / f"{LAB}.ipynb", [
+        authoring.locked("setup", "import course\nenv = course.setup(verbose=False)"),
+        authoring.solution("f", "def f():\n    ### BEGIN SOLUTION\n    return 2\n    ### END SOLUTION"),
+        authoring.tests("f_tests", 2, "assert f() == 2, 'f() returns the number 2'")])
+    for student, answer in ANSWERS.items():
+        nb = nbformat.read(source, 4)
+        nb.cells[1].source = f"def f():\n    {answer}"
+        path = root / "submitted" / student / LAB / f"{LAB}.ipynb"
+        path.parent.mkdir(parents=True)
+        nbformat.write(nb, path)
+    return root
+
+
+def _config(root, out, **kw):
+    return Config(submitted=root / "submitted", autograded=out / "autograded", feedback=out / "feedback",
+                  gradebook=out / "gradebook.db", out=out, labs_dir=root / "labs", memory_gib=4, cell_timeout=120,
+                  budget=600, **kw)
+
+
+def _csv(out):
+    return list(csv.reader(io.StringIO((out / "grades.csv").read_text())))
+
+
+@pytest.mark.slow
+def test_a_lost_scheduler_stops_the_run_keeping_its_outcomes_and_resume_finishes_it(tmp_path):
+    """The class's own run (conftest.py) proves grades on a cluster equal the expected ones, a killed
+    worker's job runs again, and a worker without a sandbox takes no job. Here: the scheduler dies."""
+    import dask
+
+    root = _class(tmp_path)
+    out, kept = tmp_path / "dask", tmp_path / "dask" / "outcomes"
+    lost = []
+    with dask.config.set({"distributed.comm.timeouts.connect": "5s"}), \
+            dask_cluster(tmp_path / "first", broken=False) as address:
+        def run():
+            try:
+                grade_all(_config(root, out, scheduler=address), log=print)
+            except cluster.ClusterLost as e:
+                lost.append(e)
+        thread = threading.Thread(target=run)
+        thread.start()
+        deadline = time.monotonic() + 120
+        while len(list(kept.glob("*/*.json"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(int((tmp_path / "first" / "scheduler.pid").read_text()), signal.SIGKILL)
+        thread.join(timeout=120)
+    assert lost and "rerun with RESUME=1" in str(lost[0]), "the run stops, saying what to do"
+    done = sorted(p.parent.name for p in kept.glob("*/*.json"))
+    assert 3 <= len(done) < len(ANSWERS), done
+    assert sorted(r[0] for r in _csv(out)[1:]) == done, "grades.csv and the report hold what was graded before"
+
+    changed = root / "submitted" / done[0] / LAB / f"{LAB}.ipynb"      # a student resubmits meanwhile
+    nb = nbformat.read(changed, 4)
+    nb.cells[1].source = "def f():\n    return 2  # fixed"
+    nbformat.write(nb, changed)
+    said = []
+    with dask_cluster(tmp_path / "second", broken=False) as address:
+        grade_all(_config(root, out, scheduler=address, resume=True), log=lambda line: said.append(line) or print(line))
+    assert f"RESUME: {len(done) - 1} submission(s) already graded from the same file, kept as they are" in said
+    regraded = sorted(line.split()[1] for line in said if line.startswith("["))
+    assert regraded == sorted({done[0]} | set(ANSWERS) - set(done)), said
+    final = {r[0]: int(r[2]) for r in _csv(out)[1:]}
+    assert final == SCORES | {done[0]: 2}, "the resumed run finishes the class, each student once"
+
+
+def test_a_worker_with_other_code_is_refused_naming_both_versions():
+    mine = cluster.code_version()
+    other = {"commit": "0badc0d", "code": "0123456789ab"}
+    result = cluster.check_this_worker(other, sandbox=False, gpu=False, limits={})
+    assert not result["ok"] and result["version"] == mine
+    assert f"commit {mine['commit']} (code {mine['code']})" in result["why"]
+    assert "the client commit 0badc0d (code 0123456789ab)" in result["why"] and "git checkout 0badc0d" in result["why"]
+    assert cluster.check_this_worker(mine, sandbox=False, gpu=False, limits={})["ok"]
+
+
+class _Failed:
+    def __init__(self, error):
+        self.error = error
+
+    def result(self):
+        raise self.error
+
+
+def test_a_job_that_kills_every_worker_is_that_students_grader_error_and_a_lost_scheduler_stops_the_run(tmp_path):
+    from distributed.client import FutureCancelledError
+    from distributed.scheduler import KilledWorker
+
+    root = _class(tmp_path)
+    job = Job("s0", LAB, "x", str(root / "labs" / LAB / f"{LAB}.ipynb"), "x", str(tmp_path))
+    backend = object.__new__(cluster.DaskCluster)
+    backend.address = "tcp://127.0.0.1:1"
+    out = backend.outcome(_Failed(KilledWorker("grade-00_tiny-s0", "tcp://127.0.0.1:2", 3)), job)
+    assert (out.status, out.score, out.max_score) == ("error", 0, 2)
+    assert out.flags[0].code == "grader-error" and "killed the Dask worker each of the 3 times" in out.reason
+    with pytest.raises(cluster.ClusterLost, match="rerun with RESUME=1"):
+        backend.outcome(_Failed(FutureCancelledError("grade-00_tiny-s0", "lost")), job)
+
+
+def test_progress_shows_a_live_line_on_a_terminal_and_numbered_lines_in_a_log(capsys):
+    lines = []
+    with progress.Progress(2, lines.append, live=False) as bar:
+        bar.done("a lab: 2/2")
+        bar.done("b lab: 0/2", failed=True)
+    assert lines == ["[1/2] a lab: 2/2", "[2/2] b lab: 0/2"]
+    with progress.Progress(2, lines.append, live=True) as bar:
+        bar.done("a lab: 2/2")
+        bar.done("b lab: 0/2", failed=True)
+    err = capsys.readouterr()
+    assert "[2/2] b lab: 0/2" in err.out + err.err and "2/2" in err.err and "failed=1" in err.err
