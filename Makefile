@@ -12,7 +12,7 @@ PORT    ?= 8888
 LAB_ARGS ?=
 LAB_DIR ?= labs
 
-.PHONY: setup lab test test-gpu release grade formgrade html vendor sandbox-tools system-tools clean help
+.PHONY: setup lab test test-gpu release grade gradescope formgrade html vendor sandbox-tools system-tools clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -21,6 +21,7 @@ help:
 	@echo "make test-gpu on a CUDA machine: every lab on the GPU, kernels compiled, the class graded -> build/gpu-report.md"
 	@echo "make release  student versions of the labs into autograder/release/"
 	@echo "make grade    grade autograder/submitted/ (or ZIP=...) in a sandbox: feedback, grades.csv, report"
+	@echo "make gradescope LAB=NN_name  Gradescope's autograder.zip for one lab (build/gradescope/)"
 	@echo "make formgrade  nbgrader's formgrader, to grade the written answers by hand"
 	@echo "make html     the course site (labs executed with solutions) into build/html/"
 	@echo "make setup    only the set-up: .venv, torch (CPU) first, pinned packages, the model"
@@ -97,6 +98,10 @@ grade: setup $(if $(filter off,$(SANDBOX)),,sandbox-tools)
 	$(BIN)/python -m autograder.grade --jobs $(JOBS) --sandbox $(or $(SANDBOX),on) \
 	  $(if $(ZIP),--zip $(ZIP)) $(if $(STUDENTS),--students $(STUDENTS)) $(if $(SCHEDULER),--scheduler $(SCHEDULER)) \
 	  $(if $(filter 1 yes true,$(RESUME)),--resume) $(GRADE_ARGS) $(LABS)
+
+# Gradescope's autograder for one CPU lab: build/gradescope/LAB/autograder.zip (autograder/gradescope.py)
+gradescope: setup
+	$(BIN)/python -m autograder.gradescope zip $(LAB)
 
 # Written answers, graded by a person: JupyterLab in the course root, where nbgrader's formgrader finds
 # autograder/nbgrader_config.py and the gradebook `make grade` filled (open /formgrader, Manual Grading).

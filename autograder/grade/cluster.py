@@ -30,12 +30,13 @@ and `RESUME=1` grades only what is missing.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import hashlib
 import os
+import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import as_completed as _local_as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 try:
@@ -72,9 +73,30 @@ def describe_version(v: dict) -> str:
     return f"commit {v['commit']} (code {v['code']})"
 
 
+# --- both: jobs handed out as workers free up --------------------------------------------------------
+
+class _Backend:
+    """What both backends share: `run` hands out jobs a few at a time (as many as can run, and one more,
+    so that no worker waits for the next) and yields (future, job) as each finishes. Handing out all at
+    once would tie each job to a worker up front: on a cluster, a worker that dies then passes its whole
+    queue to one other worker, and the worker that restarts in its place gets none of it."""
+
+    def capacity(self) -> int:
+        return self.workers
+
+    def run(self, jobs: list, timeout: int):
+        waiting, pending = list(reversed(jobs)), {}
+        while waiting or pending:
+            while waiting and len(pending) < self.capacity() + 1:
+                job = waiting.pop()
+                pending[self.submit(job, timeout)] = job
+            for fut in self.wait_first(list(pending)):
+                yield fut, pending.pop(fut)
+
+
 # --- this machine --------------------------------------------------------------------------------
 
-class LocalPool:
+class LocalPool(_Backend):
     """`jobs` grading processes on this machine, each started by a thread of this process."""
 
     def __init__(self, jobs: int):
@@ -87,8 +109,8 @@ class LocalPool:
 
         return self.pool.submit(_run_worker, job, timeout)
 
-    def as_completed(self, futures):
-        return _local_as_completed(futures)
+    def wait_first(self, futures) -> set:
+        return wait(futures, return_when=FIRST_COMPLETED).done
 
     def outcome(self, future, job) -> Outcome:
         return future.result()
@@ -103,11 +125,25 @@ _check: dict | None = None        # this worker process's own check (SandboxChec
 _jobs_taken = 0                   # grading jobs this worker process has started
 
 
+_model_copies: dict = {}           # sandboxed -> the model's folder this worker process gives its kernels
+
+
+def worker_model_cache(sandboxed: bool) -> Path | None:
+    """pipeline.model_cache, once per worker process: where a root worker must copy the model for the
+    kernels' own uid to read (about 0.5 GB), the copy is made for its first job and reused after."""
+    from autograder.grade.pipeline import model_cache
+
+    if sandboxed not in _model_copies:
+        keep = Path(tempfile.mkdtemp(prefix="course-worker-model-"))
+        atexit.register(shutil.rmtree, keep, True)
+        _model_copies[sandboxed] = model_cache(keep, sandboxed)
+    return _model_copies[sandboxed]
+
+
 def check_this_worker(expected: dict, sandbox: bool, gpu: bool, limits: dict) -> dict:
     """What SandboxCheck runs on a worker: same code as the client, then the sandbox (and CUDA in it).
     Returns {"version", "ok", "why", "said"}."""
     from autograder.grade import sandbox as sb
-    from autograder.grade.pipeline import model_cache
 
     mine = code_version()
     result = {"version": mine, "ok": False, "why": "", "said": ""}
@@ -119,7 +155,7 @@ def check_this_worker(expected: dict, sandbox: bool, gpu: bool, limits: dict) ->
     with tempfile.TemporaryDirectory(prefix="course-worker-check-") as tmp:
         tmp = Path(tmp)
         try:
-            cache = model_cache(tmp, sandbox)
+            cache = worker_model_cache(sandbox)
             said = []
             if sandbox:
                 canary = tmp / "canary"
@@ -162,7 +198,7 @@ def jobs_taken() -> int:
 def grade_remote(payload: dict) -> dict:
     """A grading job on a worker: write what the job carries into a private folder, grade it as this
     machine would (pipeline._run_worker: its own process, in this worker's sandbox), send back the bytes."""
-    from autograder.grade.pipeline import _run_worker, model_cache
+    from autograder.grade.pipeline import _run_worker
     from autograder.grade.worker import Job
 
     if _check is None or not _check["ok"]:
@@ -178,7 +214,7 @@ def grade_remote(payload: dict) -> dict:
             files[name] = str(path)
         work = tmp / "work"
         work.mkdir()
-        cache = model_cache(tmp, payload["sandbox"])
+        cache = worker_model_cache(payload["sandbox"])
         threads = os.environ.get("OMP_NUM_THREADS", "1")     # this worker's share of its machine (Dask's nanny sets 1)
         env = payload["env"] | {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         job = Job(payload["student"], payload["lab"], files["submission.ipynb"], files["source.ipynb"],
@@ -193,7 +229,7 @@ def grade_remote(payload: dict) -> dict:
                 "host": os.uname().nodename, "seconds": round(time.monotonic() - start, 1)}
 
 
-class DaskCluster:
+class DaskCluster(_Backend):
     """Jobs on a running Dask cluster at `address`; only workers that passed SandboxCheck take them."""
 
     def __init__(self, address: str, log, sandbox: bool, gpu: bool, limits: dict, wait_s: float = 60):
@@ -243,13 +279,33 @@ class DaskCluster:
         payload = {"student": job.student, "lab": job.lab, "files": files, "sandbox": job.sandbox, "gpu": job.gpu,
                    "env": job.env, "limits": job.limits, "run_limits": job.run_limits, "timeout": timeout}
         resources = {RESOURCE: 1} | ({"GPU": 1} if job.gpu else {})
+        if self.client.status in ("closing", "closed"):
+            raise self._lost(RuntimeError("client closed"))
         return self.client.submit(grade_remote, payload, key=f"grade-{job.lab}-{job.student}-{os.urandom(4).hex()}",
                                   pure=False, resources=resources, retries=0)
 
-    def as_completed(self, futures):
-        from distributed import as_completed
+    def capacity(self) -> int:
+        """Grading slots now: workers join, restart and leave during a run."""
+        try:
+            info = self.client.scheduler_info(n_workers=-1)["workers"].values()
+        except Exception:  # noqa: BLE001 - the scheduler is going; outcome() says so
+            return self.workers
+        return max(1, int(sum(w.get("resources", {}).get(RESOURCE, 0) for w in info)))
 
-        return as_completed(futures)
+    def wait_first(self, futures) -> set:
+        from concurrent.futures import CancelledError
+
+        from distributed import wait as dask_wait
+        from distributed.client import FuturesCancelledError
+
+        try:
+            return dask_wait(futures, return_when="FIRST_COMPLETED").done
+        except (FuturesCancelledError, CancelledError, OSError, TimeoutError) as e:
+            raise self._lost(e) from None
+
+    def _lost(self, e: Exception) -> ClusterLost:
+        return ClusterLost(f"the Dask scheduler at {self.address} went away ({type(e).__name__}); every outcome "
+                           f"recorded so far is kept: rerun with RESUME=1 to grade only what is missing")
 
     def outcome(self, future, job) -> Outcome:
         from distributed.client import FutureCancelledError
@@ -265,8 +321,7 @@ class DaskCluster:
                                f"grading it killed the Dask worker each of the {tries} times it was tried (Dask's "
                                f"allowed-failures): a memory or fork bomb, or a crash outside the sandbox's limits")
         except (FutureCancelledError, OSError, TimeoutError) as e:
-            raise ClusterLost(f"the Dask scheduler at {self.address} went away ({type(e).__name__}); every "
-                              f"outcome recorded so far is kept: rerun with RESUME=1 to grade only what is missing") from None
+            raise self._lost(e) from None
         except SandboxUnavailable as e:
             return _not_graded(job.student, job.lab, Path(job.source), "grader-error", f"a worker refused it: {e}")
         if result["autograded"] is not None:

@@ -189,9 +189,7 @@ def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
     lost = None
     try:
         with progress.Progress(len(jobs), log) as bar:
-            futures = {backend.submit(job, cfg.budget + 300): job for job in jobs}
-            for fut in backend.as_completed(list(futures)):
-                job = futures[fut]
+            for fut, job in backend.run(jobs, cfg.budget + 300):
                 outcome = backend.outcome(fut, job)
                 outcome.submission_sha256 = _sha256(job.submission)
                 if roster and job.student not in roster:
@@ -220,13 +218,14 @@ def _grade(cfg, log, students, found, labs, cell_timeout, tmp) -> list[Outcome]:
     run = (f"this run graded {ran} notebook(s) in {took:.0f} s on {backend.where}"
            + (f" ({60 * ran / took:.1f} per minute)" if ran and took > 0 else ""))
     csv_path = report.write_csv(every, cfg.out / "grades.csv")
+    report.write_canvas_csv(every, cfg.out / "grades-canvas.csv", students)
     html_path = report.write_report(every, cfg.out / "report.html", run=run)
     if lost is not None:
         raise lost
     graded = sum(o.status == "graded" for o in outcomes)
     flagged = sum(any(f.severity != "info" for f in o.flags) for o in outcomes)
     log(f"done in {took:.0f} s on {backend.where}: {graded} graded, {len(outcomes) - graded} without a score, "
-        f"{flagged} flagged (grades.csv and the report cover {len(every)}, earlier runs included)\n  grades:   {csv_path}\n  report:   {html_path}\n  feedback: {cfg.feedback}/<student>/<lab>/")
+        f"{flagged} flagged (grades.csv and the report cover {len(every)}, earlier runs included)\n  grades:   {csv_path} (for Canvas: grades-canvas.csv)\n  report:   {html_path}\n  feedback: {cfg.feedback}/<student>/<lab>/")
     written = [o for o in outcomes if any(m.answered for m in o.manual)]
     if written:
         log(f"  needs manual grading: {sum(m.answered for o in written for m in o.manual)} written answers in "

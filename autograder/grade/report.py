@@ -35,6 +35,27 @@ def write_csv(outcomes: list[Outcome], path: Path) -> Path:
     return path
 
 
+def write_canvas_csv(outcomes: list[Outcome], path: Path, students: list | None = None) -> Path:
+    """The grades in Canvas's gradebook-import layout (Grades > Import): Student, ID, SIS User ID, SIS
+    Login ID, Section, then one column per lab, with a "Points Possible" row first. Canvas matches a row
+    by SIS User ID (the student's id here) or SIS Login ID (the class list's email, where given); a lab
+    column whose name no assignment has becomes a new assignment."""
+    roster = {s.id: s for s in students or []}
+    labs = sorted({o.lab for o in outcomes})
+    table = {(o.student, o.lab): o for o in outcomes}
+    possible = {lab: max(o.max_score for o in outcomes if o.lab == lab) for lab in labs}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Student", "ID", "SIS User ID", "SIS Login ID", "Section", *labs])
+        w.writerow(["    Points Possible", "", "", "", "", *(f"{possible[lab]:g}" for lab in labs)])
+        for student in sorted({o.student for o in outcomes}):
+            who = roster.get(student)
+            w.writerow([(who.name if who and who.name else student), "", student, (who.email if who else ""), "",
+                        *(f"{table[(student, lab)].score:g}" if (student, lab) in table else "" for lab in labs)])
+    return path
+
+
 def _histogram(scores: list[float], max_score: float) -> str:
     """A small PNG histogram of scores, as a data URL (matplotlib, no display needed)."""
     import matplotlib
