@@ -6,9 +6,7 @@ too), and loading a transformers model imports Triton. Set later, a test's kerne
 interpreted but `tl.zeros` not ("Cannot call @triton.jit'd outside of the scope of a kernel").
 The GPU compile check runs in a subprocess without it (course.kernels.compile_check).
 
-`graded_class`: every selected lab's simulated class graded ONCE per session, on a real Dask cluster
-(tests/dask_cluster.py) where one worker is killed mid-job and one fails its sandbox check; the
-hostile class and the smaller grading tests use this machine's pool. Each lab runs four
+`graded_class`: every selected lab's simulated class graded ONCE per session. Each lab runs four
 times there (honest, blank, yes-man, patcher with planted mistakes), and those runs serve everything
 else: the honest student's graded notebook is the lab's source run (test_labs.py) and the site's
 executed copy (build/executed/), the blank student's is its release run.
@@ -55,17 +53,10 @@ def graded_class(request, tmp_path_factory):
     from autograder.fixtures import build_class
     from classroom import grade_class
 
-    from dask_cluster import dask_cluster, kill_a_worker_mid_job
-
     labs = _selected_labs(request.session)
     root = tmp_path_factory.mktemp("class")
     subs = build_class(labs=labs, release_dir=root / "fixture-release", hostile=False)
-    # on a real Dask cluster (`make grade SCHEDULER=`): two grading workers, one more that fails its
-    # sandbox check, and one of the two killed in the middle of a job once a few outcomes are in
-    with dask_cluster(root / "cluster") as address:
-        killer = kill_a_worker_mid_job(address, root / "out" / "outcomes", after=4)
-        graded = grade_class(root, subs, labs=labs, cell_timeout=300, budget=1200, widget_state=True, scheduler=address)
-        graded["cluster"] = killer.report()
+    graded = grade_class(root, subs, labs=labs, cell_timeout=300, budget=1200, widget_state=True)
     EXECUTED.mkdir(parents=True, exist_ok=True)
     for (student, lab), o in graded["outcomes"].items():
         if o.status == "graded":

@@ -1,6 +1,7 @@
 """`make grade SCHEDULER=...`: grading on a real Dask cluster (a `dask scheduler` and `dask worker`
 processes on loopback) gives the grades this machine gives, survives a worker killed mid-job, keeps
-a worker that fails its sandbox check out of the work, and resumes what a lost scheduler left."""
+a worker that fails its sandbox check out of the work, and resumes what a lost scheduler left.
+(The class of autograder/fixtures is graded on this machine's pool: test_grade.py.)"""
 import csv
 import io
 import os
@@ -21,7 +22,7 @@ from dask_cluster import dask_cluster
 LAB = "00_tiny"
 SLOW = "s4"                 # sleeps in its answer: the worker grading it is killed mid-job
 ANSWERS = {"s0": "return 2", "s1": "return 3", "s2": "raise ValueError('no')", "s3": "return 2",
-           SLOW: "import time\n    time.sleep(12)\n    return 2", "s5": "return '2'", "s6": "pass", "s7": "return 1 + 1"}
+           SLOW: "import time\n    time.sleep(8)\n    return 2", "s5": "return '2'", "s6": "pass", "s7": "return 1 + 1"}
 SCORES = {"s0": 2, "s1": 0, "s2": 0, "s3": 2, SLOW: 2, "s5": 0, "s6": 0, "s7": 2}
 
 
@@ -50,46 +51,80 @@ def _csv(out):
     return list(csv.reader(io.StringIO((out / "grades.csv").read_text())))
 
 
+def _running(client, student: str) -> str | None:
+    """The worker that is running `student`'s job now, if any."""
+    running = client.run(lambda dask_worker: [str(t.key) for t in dask_worker.state.executing])
+    return next((w for w, keys in running.items() if any(f"-{student}-" in k for k in keys)), None)
+
+
 @pytest.mark.slow
-def test_a_lost_scheduler_stops_the_run_keeping_its_outcomes_and_resume_finishes_it(tmp_path):
-    """The class's own run (conftest.py) proves grades on a cluster equal the expected ones, a killed
-    worker's job runs again, and a worker without a sandbox takes no job. Here: the scheduler dies."""
+def test_a_dask_cluster_grades_alike_survives_a_killed_worker_and_a_lost_scheduler(tmp_path):
+    """Real `dask scheduler` and `dask worker` processes on loopback: two grading workers and one without
+    bubblewrap. (1) The class's grades are the expected ones (what this machine's pool gives), each
+    student once, though the worker running the slow student is killed mid-job and the broken worker
+    never gets a job. (2) The scheduler dies mid-run: the run stops, keeping what it recorded, and
+    RESUME=1 on a new cluster grades only what is missing (and a resubmitted notebook)."""
     import dask
+    import sqlite3
+
+    from distributed import Client
 
     root = _class(tmp_path)
-    out, kept = tmp_path / "dask", tmp_path / "dask" / "outcomes"
-    lost = []
+    said, lost = [], []
+    out, kept = tmp_path / "second", tmp_path / "second" / "outcomes"
     with dask.config.set({"distributed.comm.timeouts.connect": "5s"}), \
-            dask_cluster(tmp_path / "first", broken=False) as address:
-        def run():
+            dask_cluster(tmp_path / "first") as address, Client(address) as client:
+        run = threading.Thread(target=lambda: grade_all(_config(root, tmp_path / "dask", scheduler=address),
+                                                        log=lambda line: said.append(line) or print(line)))
+        run.start()
+        slow, deadline = None, time.monotonic() + 120
+        while slow is None and time.monotonic() < deadline:
+            slow = _running(client, SLOW)
+            time.sleep(0.3)
+        assert slow, "the slow student's job never started"
+        time.sleep(2)
+        os.kill(client.run(os.getpid, workers=[slow])[slow], signal.SIGKILL)   # mid-job: the nanny restarts it
+        run.join(timeout=300)
+        assert not run.is_alive()
+        names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
+        taken = client.run(cluster.jobs_taken)
+
+        def interrupted():
             try:
                 grade_all(_config(root, out, scheduler=address), log=print)
             except cluster.ClusterLost as e:
                 lost.append(e)
-        thread = threading.Thread(target=run)
-        thread.start()
-        deadline = time.monotonic() + 120
-        while len(list(kept.glob("*/*.json"))) < 3 and time.monotonic() < deadline:
+        run = threading.Thread(target=interrupted)
+        run.start()
+        while len(list(kept.glob("*/*.json"))) < 3 and time.monotonic() < deadline + 120:
             time.sleep(0.2)
         os.kill(int((tmp_path / "first" / "scheduler.pid").read_text()), signal.SIGKILL)
-        thread.join(timeout=120)
+        run.join(timeout=120)
+
+    assert {r[0]: int(r[2]) for r in _csv(tmp_path / "dask")[1:]} == SCORES, "the expected grades, each student once"
+    with sqlite3.connect(tmp_path / "dask" / "gradebook.db") as db:
+        rows = db.execute("select count(*), count(distinct student_id) from submitted_assignment").fetchone()
+    assert rows == (len(ANSWERS), len(ANSWERS)), "one submission per student in the gradebook: nothing counted twice"
+    broken = [a for a, n in names.items() if n == "no-bubblewrap"]
+    assert broken and all(taken[a] == 0 for a in broken), "the worker without a sandbox took no job"
+    assert any("takes no job: bubblewrap (`bwrap`) is not installed" in line for line in said), said
+    assert any("2 Dask workers at" in line and "ready" in line for line in said), said
+
     assert lost and "rerun with RESUME=1" in str(lost[0]), "the run stops, saying what to do"
     done = sorted(p.parent.name for p in kept.glob("*/*.json"))
     assert 3 <= len(done) < len(ANSWERS), done
     assert sorted(r[0] for r in _csv(out)[1:]) == done, "grades.csv and the report hold what was graded before"
-
     changed = root / "submitted" / done[0] / LAB / f"{LAB}.ipynb"      # a student resubmits meanwhile
     nb = nbformat.read(changed, 4)
     nb.cells[1].source = "def f():\n    return 2  # fixed"
     nbformat.write(nb, changed)
-    said = []
-    with dask_cluster(tmp_path / "second", broken=False) as address:
+    said.clear()
+    with dask_cluster(tmp_path / "third", broken=False) as address:
         grade_all(_config(root, out, scheduler=address, resume=True), log=lambda line: said.append(line) or print(line))
     assert f"RESUME: {len(done) - 1} submission(s) already graded from the same file, kept as they are" in said
     regraded = sorted(line.split()[1] for line in said if line.startswith("["))
     assert regraded == sorted({done[0]} | set(ANSWERS) - set(done)), said
-    final = {r[0]: int(r[2]) for r in _csv(out)[1:]}
-    assert final == SCORES | {done[0]: 2}, "the resumed run finishes the class, each student once"
+    assert {r[0]: int(r[2]) for r in _csv(out)[1:]} == SCORES | {done[0]: 2}, "the resumed run finishes the class"
 
 
 def test_a_worker_with_other_code_is_refused_naming_both_versions():
