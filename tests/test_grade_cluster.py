@@ -22,7 +22,7 @@ from dask_cluster import dask_cluster
 LAB = "00_tiny"
 SLOW = "s4"                 # sleeps in its answer: the worker grading it is killed mid-job
 ANSWERS = {"s0": "return 2", "s1": "return 3", "s2": "raise ValueError('no')", "s3": "return 2",
-           SLOW: "import time\n    time.sleep(8)\n    return 2", "s5": "return '2'", "s6": "pass", "s7": "return 1 + 1"}
+           SLOW: "import time\n    time.sleep(5)\n    return 2", "s5": "return '2'", "s6": "pass", "s7": "return 1 + 1"}
 SCORES = {"s0": 2, "s1": 0, "s2": 0, "s3": 2, SLOW: 2, "s5": 0, "s6": 0, "s7": 2}
 
 
@@ -63,7 +63,7 @@ def test_a_dask_cluster_grades_alike_survives_a_killed_worker_and_a_lost_schedul
     bubblewrap. (1) The class's grades are the expected ones (what this machine's pool gives), each
     student once, though the worker running the slow student is killed mid-job and the broken worker
     never gets a job. (2) The scheduler dies mid-run: the run stops, keeping what it recorded, and
-    RESUME=1 on a new cluster grades only what is missing (and a resubmitted notebook)."""
+    RESUME=1 grades only what is missing (and a resubmitted notebook)."""
     import dask
     import sqlite3
 
@@ -119,8 +119,8 @@ def test_a_dask_cluster_grades_alike_survives_a_killed_worker_and_a_lost_schedul
     nb.cells[1].source = "def f():\n    return 2  # fixed"
     nbformat.write(nb, changed)
     said.clear()
-    with dask_cluster(tmp_path / "third", broken=False) as address:
-        grade_all(_config(root, out, scheduler=address, resume=True), log=lambda line: said.append(line) or print(line))
+    # resumed on this machine's pool: RESUME=1 reads only the stored outcomes, whichever backend made them
+    grade_all(_config(root, out, jobs=2, resume=True), log=lambda line: said.append(line) or print(line))
     assert f"RESUME: {len(done) - 1} submission(s) already graded from the same file, kept as they are" in said
     regraded = sorted(line.split()[1] for line in said if line.startswith("["))
     assert regraded == sorted({done[0]} | set(ANSWERS) - set(done)), said
