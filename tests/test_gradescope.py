@@ -66,9 +66,6 @@ def test_run_autograder_writes_results_json_that_agrees_with_the_courses_grades(
                 assert t["score"] == t["max_score"] and t["output"].startswith("PASSED"), (name, t)
         assert results["score"] == pytest.approx(sum(t["score"] for t in tests.values()))
         assert "sandbox-off" not in results["output"]
-        if name == "buggy":
-            assert any(bug.hint and bug.hint in tests[c]["output"] for c in bug.fails) or \
-                all("FAILED" in tests[c]["output"] or "PARTIAL" in tests[c]["output"] for c in bug.fails)
 
 
 def test_run_autograder_asks_for_the_right_notebook(tmp_path):
