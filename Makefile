@@ -12,7 +12,7 @@ PORT    ?= 8888
 LAB_ARGS ?=
 LAB_DIR ?= labs
 
-.PHONY: setup lab test test-gpu release grade gradescope formgrade html vendor sandbox-tools system-tools clean help
+.PHONY: setup lab test test-gpu release links grade gradescope formgrade html vendor sandbox-tools system-tools clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -20,6 +20,7 @@ help:
 	@echo "make test     the whole proof: unit tests, every lab, releases, widgets in chromium"
 	@echo "make test-gpu on a CUDA machine: every lab on the GPU, kernels compiled, the class graded -> build/gpu-report.md"
 	@echo "make release  student versions of the labs into autograder/release/"
+	@echo "make links HUB=https://hub.example.edu REPO=https://github.com/you/labs  nbgitpuller links (build/links/)"
 	@echo "make grade    grade autograder/submitted/ (or ZIP=...) in a sandbox: feedback, grades.csv, report"
 	@echo "make gradescope LAB=NN_name  Gradescope's autograder.zip for one lab (build/gradescope/)"
 	@echo "make formgrade  nbgrader's formgrader, to grade the written answers by hand"
@@ -90,6 +91,13 @@ test-gpu: setup sandbox-tools
 # LABS="01_inference 06_triton_kernels": only these (default: every lab).
 release: setup
 	$(BIN)/python -m autograder.release $(LABS)
+
+# One nbgitpuller link per lab for a JupyterHub (autograder/links.py, docs/deploy.md): REPO is the git
+# repository you pushed autograder/release/ to; BRANCH (main), FOLDER (the clone's folder in each home,
+# = nbgrader's course id, llm-inference) and LABS are optional. Writes build/links/links.md and links.csv.
+links: $(STAMP)
+	$(BIN)/python -m autograder.links --hub "$(HUB)" --repo "$(REPO)" --branch "$(or $(BRANCH),main)" \
+	  $(if $(FOLDER),--folder "$(FOLDER)") $(LABS)
 
 # Grading (autograder/GUIDE.md): ZIP=subs.zip STUDENTS=class.csv JOBS=2 LABS="01_inference",
 # GRADE_ARGS for anything else (python -m autograder.grade --help). SANDBOX=off: only inside a
