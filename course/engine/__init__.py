@@ -9,8 +9,9 @@ function to write keys and values and one to attend through block tables: lab 05
 those (`write_kv`, `paged_attention`) and its allocator (`BlockAllocator`) are released here for
 the labs after it (06 Triton kernels, 09 prefix caching, 10 a smaller KV cache, 11 serving).
 For lab 11 (serving): lab 04's scheduler at token granularity (`Seq`, `schedule_prefill_first`,
-`schedule_chunked`), lab 07's batched sampler (`SamplingParams`, `sample`), lab 09's prefix cache
-(`PrefixCache`), and `forward_extend`, the forward pass of a step that mixes prefill chunks and decodes.
+`schedule_chunked`), lab 07's batched sampler (`SamplingParams`, `sample`, with the server's logit
+bias and penalties from `penalties.py`), lab 09's prefix cache (`PrefixCache`), and
+`forward_extend`, the forward pass of a step that mixes prefill chunks and decodes.
 Lab 02's CUDA graphs (`StepGraph`, a CPU stand-in with the same semantics) power the decode path of
 every engine: `capture_decode_graphs(model, cache, ...)` makes `forward_cached` / `forward_paged`
 replay a captured step for each batch bucket (`batch_buckets`). Lab 08 gets its one-slot caches from

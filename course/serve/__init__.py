@@ -10,10 +10,11 @@
 From a shell: `python -m course.serve --port 8000` (see `python -m course.serve --help`).
 
 Files: engine.py (LLMEngine: one step of scheduling, paged blocks, prefix cache, forward, sampling),
-async_engine.py (streams per request, cancellation, a bounded queue), protocol.py (request checks,
-OpenAI error bodies), streaming.py (incremental detokenization, stop strings, SSE), app.py (the
-ASGI routes), metrics.py (Prometheus text), server.py (uvicorn in a thread), loadgen.py (a timed
-streaming client and random workloads), __main__.py (the command line).
+async_engine.py (streams per request, cancellation, a bounded queue), protocol.py (the OpenAI
+request contract, error bodies), streaming.py (incremental detokenization with offsets, stop
+strings, SSE), logprobs.py (OpenAI's two logprobs shapes), app.py (the ASGI routes), metrics.py
+(Prometheus text: gauges, counters, latency histograms), server.py (uvicorn in a thread),
+loadgen.py (a timed streaming client and random workloads), __main__.py (the command line).
 """
 from course.serve.app import build_app
 from course.serve.async_engine import AsyncEngine, QueueFull

@@ -19,6 +19,13 @@ chunked prefill from lab 11), a paged KV cache (lab 05) whose blocks a prefix ca
     sample:  every sequence whose tokens are all computed gets its next token; finished ones free
              their blocks (full blocks stay in the prefix cache)
 
+What a server asks beyond that, per request (add_request's options, vLLM's names): `min_tokens`
+(its stop tokens are masked until it has that many), `logprobs=k` (each token's log-probability and
+the k most likely, from the raw logits as vLLM reports them by default) and `prompt_logprobs=k` (the
+same for every prompt token, on the first output: one uncached forward of the prompt, since the
+paged prefill keeps only each sequence's last logits and the prefix cache skips cached tokens).
+Penalties read the request's prompt and output ids, which the engine holds (`sample(history=...)`).
+
 Not thread-safe: call add_request, abort and step from one thread at a time (the async engine
 applies requests and aborts between steps, while no step runs).
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +44,7 @@ from course.engine.extend import forward_extend
 from course.engine.paged import PagedKVCache, block_table_tensor, forward_paged
 from course.engine.paged_ops import paged_attention, write_kv
 from course.engine.prefix_cache import PrefixCache
+from course.engine.runner import embed
 from course.engine.sampler import SamplingParams, sample
 from course.engine.scheduler import POLICIES, Seq
 from course.models.decoder import Decoder
@@ -50,6 +59,11 @@ class StepOutput:
     token: int
     index: int                      # 0 for the first token of the request
     finish_reason: str | None = None
+    # with logprobs=k: this token's log-probability and the k most likely (token id, logprob) pairs
+    logprob: float | None = field(default=None, compare=False)
+    top_logprobs: tuple[tuple[int, float], ...] | None = field(default=None, compare=False)
+    # with prompt_logprobs=k, on the first output: None for the first prompt token, then (logprob, top k)
+    prompt_logprobs: tuple | None = field(default=None, compare=False, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -63,6 +77,9 @@ class Request(Seq):
     params: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset = frozenset()
     generator: torch.Generator | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -121,7 +138,8 @@ class LLMEngine:
     # --- requests ------------------------------------------------------------------------------
 
     def add_request(self, rid: Hashable, prompt: list[int], params: SamplingParams | None = None, max_tokens: int = 16,
-                    stop_token_ids=(), ignore_eos: bool = False) -> None:
+                    stop_token_ids=(), ignore_eos: bool = False, min_tokens: int = 0, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> None:
         """Queue a request (token ids in, token ids out). Raises ValueError naming what is wrong."""
         if rid in self._rids():
             raise ValueError(f"request id {rid!r} is already in the engine")
@@ -130,11 +148,15 @@ class LLMEngine:
         if len(prompt) + max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                              f"({self.max_model_len})")
+        for name, value in (("min_tokens", min_tokens), ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and (type(value) is not int or not 0 <= value <= self.model.cfg.vocab_size):
+                raise ValueError(f"{name} must be None or an int in 0..vocab_size, got {value!r}")
         params = params or SamplingParams()
         stops = set(stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None and not ignore_eos else set())
         self.waiting.append(Request(rid, list(prompt), max_tokens, arrival=time.perf_counter() - self.start,
                                     params=params, stop_token_ids=frozenset(stops),
-                                    generator=params.generator(self.device)))
+                                    generator=params.generator(self.device), min_tokens=min_tokens or 0,
+                                    logprobs=logprobs, prompt_logprobs=prompt_logprobs))
 
     def abort(self, rid: Hashable) -> bool:
         """Drop a request wherever it is and free its blocks. False if the engine does not hold it."""
@@ -247,20 +269,61 @@ class LLMEngine:
                 ready.append((row, req))
         if not ready:
             return []
-        new = sample(logits[[row for row, _ in ready]], [r.params for _, r in ready],
-                     [r.generator for _, r in ready]).tolist()
+        reqs = [r for _, r in ready]
+        z = logits[[row for row, _ in ready]]                               # (R, V)
+        new = self._sample(z, reqs)
         outputs = []
-        for (_, req), tok in zip(ready, new):
+        for i, (req, tok) in enumerate(zip(reqs, new)):
+            lp = self._logprobs(z[i], tok, req.logprobs) if req.logprobs is not None else {}
+            if req.prompt_logprobs is not None and not req.output:
+                lp["prompt_logprobs"] = self._prompt_logprobs(req.prompt, req.prompt_logprobs)
             req.output.append(tok)
             self.stats.generated_tokens += 1
             reason = ("stop" if tok in req.stop_token_ids else
                       "length" if len(req.output) >= req.max_tokens or req.num_tokens >= self.max_model_len else None)
-            outputs.append(StepOutput(req.rid, tok, len(req.output) - 1, reason))
+            outputs.append(StepOutput(req.rid, tok, len(req.output) - 1, reason, **lp))
             if reason is not None:
                 self.running.remove(req)
                 pc.free(req.rid)
                 self.stats.finished += 1
         return outputs
+
+    def _sample(self, z: torch.Tensor, reqs: list[Request]) -> list[int]:
+        """The sampler over the ready rows, stop tokens masked for requests short of min_tokens (vLLM: first)."""
+        short = [(i, r) for i, r in enumerate(reqs) if len(r.output) < r.min_tokens and r.stop_token_ids]
+        if short:
+            z = z.clone()
+            for i, r in short:
+                z[i, list(r.stop_token_ids)] = -math.inf
+        history = [(r.prompt, r.output) for r in reqs] if any(getattr(r.params, "penalized", False) for r in reqs) else None
+        return sample(z, [r.params for r in reqs], [r.generator for r in reqs], history=history).tolist()
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token: int, k: int) -> dict:
+        """{"logprob", "top_logprobs"} of one token from one row of raw logits (V,), in float32."""
+        lp = logits.float().log_softmax(dim=-1)
+        top = lp.topk(k) if k else None
+        pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if k else ()
+        return {"logprob": float(lp[token]), "top_logprobs": pairs}
+
+    def _prompt_logprobs(self, prompt: list[int], k: int, chunk: int = 512) -> tuple:
+        """(None, (logprob of prompt[1], top k), ...): one uncached forward; the vocabulary projection
+        runs `chunk` positions at a time, so a long prompt never holds a (T, V) float32 tensor."""
+        m, dev = self.model, self.device
+        x, rope = embed(m, torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev)[None])
+        for block in m.blocks:
+            x = block(x, rope)
+        h = m.norm(x[0, :-1])                                               # (T-1, C): row t predicts token t+1
+        out: list = [None]
+        for a in range(0, len(prompt) - 1, chunk):
+            lp = m.lm_head(h[a:a + chunk]).float().log_softmax(dim=-1)      # (c, V)
+            nxt = torch.tensor(prompt[a + 1:a + 1 + chunk], device=dev)
+            chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+            top = lp.topk(k) if k else None
+            for j, c in enumerate(chosen):
+                pairs = tuple(zip(top.indices[j].tolist(), top.values[j].tolist())) if k else ()
+                out.append((c, pairs))
+        return tuple(out)
 
     # --- what the server reports ---------------------------------------------------------------
 
