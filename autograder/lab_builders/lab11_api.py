@@ -18,12 +18,11 @@ _BAD = [
     (b"[1, 2]", 400, None, None, _NOT_OBJECT), (b"42", 400, None, None, _NOT_OBJECT),
     (_j(best_of=2), 400, "best_of", None, "a field not in FIELDS is refused, naming it"),
     (_j(logprobs=1), 400, "logprobs", None, "a field not in FIELDS is refused, naming it"),
-    (json.dumps({"prompt": "x"}), 400, "model", None, "model is required"),
     (json.dumps({"model": _M}), 400, "prompt", None, "prompt is required"),
     (_j(model=7), 400, "model", None, "model must be a string"),
     (_j(model="other"), 404, "model", "model_not_found", "a model that is not served_model: 404, code model_not_found"),
     (_j(prompt=5), 400, "prompt", None, "prompt must be a string or a list"),
-    (_j(prompt=None), 400, "prompt", None, "JSON null is not an allowed type for prompt"),
+    (_j(prompt=None), 400, "prompt", None, "null means 'not given', and prompt is required"),
     (_j(prompt=""), 400, "prompt", None, "an empty prompt string is refused"),
     (_j(prompt=[]), 400, "prompt", None, "an empty prompt list is refused"),
     (_j(prompt=["a", "b"]), 400, "prompt", None, "a list prompt holds token ids (integers), not strings"),
@@ -44,7 +43,6 @@ _BAD = [
     ('{"model": "served", "prompt": "hi", "top_p": Infinity}', 400, "top_p", None, "Infinity is outside (0, 1]"),
     (_j(top_p=0), 400, "top_p", None, "top_p must be in (0, 1]: 0 is excluded"),
     (_j(top_p=1.5), 400, "top_p", None, "top_p must be in (0, 1]"),
-    (_j(top_p=None), 400, "top_p", None, "JSON null is not a number"),
     (_j(seed="1"), 400, "seed", None, "seed must be an integer, not a string"),
     (_j(seed=1.5), 400, "seed", None, "seed must be an integer"),
     (_j(seed=False), 400, "seed", None, _BOOL),
@@ -78,6 +76,12 @@ _GOOD = [
     (_j(stream=False, ignore_eos=True), dict(ignore_eos=True), "ignore_eos is passed on"),
     (_j(stream=True, stream_options={}), dict(stream=True, include_usage=False),
      "stream_options without include_usage: include_usage is False"),
+    (json.dumps({"prompt": "hello"}), dict(), "model may be left out: the server serves its one model"),
+    (_j(model=None, top_p=None, stop=None), dict(top_p=1.0, stop=[]),
+     "null means 'not given' (clients send \"stop\": null): the defaults apply"),
+    (_j(max_tokens=None, temperature=None, seed=None, stream_options=None), dict(max_tokens=16, temperature=1.0),
+     "null means 'not given', for every optional field"),
+    (_j(seed=-7), dict(seed=-7), "a negative seed is a seed (the SDKs send them): passed on as given"),
 ]
 '''.strip("\n")
 
@@ -120,13 +124,19 @@ request body (`bytes`), `tokenize(text)` gives token ids. Return a `GenerationRe
 |---|---|---|
 | not JSON (or not UTF-8), or JSON that is not an object | 400 | `None` |
 | a field that is not in `FIELDS` | 400 | that field |
-| `model` or `prompt` missing | 400 | that field |
+| `prompt` missing (or `null`) | 400 | `"prompt"` |
 | a value whose JSON type is not allowed by `FIELDS` | 400 | that field |
-| `model` is not `served_model` | 404, `code="model_not_found"` | `"model"` |
+| `model` is given and is not `served_model` | 404, `code="model_not_found"` | `"model"` |
 | `max_tokens` < 1, `temperature` outside [0, 2], `top_p` outside (0, 1] | 400 | that field |
 | `stop` is not a non-empty string nor a list of at most 4 non-empty strings | 400 | `"stop"` |
 | `prompt` is neither a non-empty string nor a non-empty list of integers (token ids) | 400 | `"prompt"` |
 | prompt tokens + `max_tokens` > `max_model_len` | 400, `code="context_length_exceeded"` | `"prompt"` |
+
+Three rules come from the clients people really use, and vLLM's server follows them too. JSON `null`
+means "not given": the OpenAI SDK and benchmark tools send `"stop": null` or `"seed": null` for every
+setting left at its default, so drop the `null` fields first and check the rest. `model` may be left
+out: this server has one model, and serves it. Any integer `seed` is a seed, negative ones included
+(the SDKs send them); pass it on as given.
 
 A valid body gives `prompt_ids` (the string tokenized, or the list as it is), `max_tokens`
 (default 16), `params=SamplingParams(temperature=..., top_p=..., seed=...)`, with temperature and top_p as Python
@@ -157,13 +167,13 @@ def parse_completion(body: bytes, served_model: str, tokenize: Callable[[str], l
     for name in data:
         if name not in FIELDS:
             raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name)
-    for name in ("model", "prompt"):
-        if name not in data:
-            raise APIError(400, f"Missing required parameter: '{name}'.", param=name)
+    data = {name: value for name, value in data.items() if value is not None}   # null means "not given"
+    if "prompt" not in data:
+        raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt")
     for name, value in data.items():
         if type(value) not in FIELDS[name]:
             raise APIError(400, f"Invalid type for '{name}': got {type(value).__name__}.", param=name)
-    if data["model"] != served_model:
+    if data.get("model", served_model) != served_model:
         raise APIError(404, f"The model `{data['model']}` does not exist.", param="model", code="model_not_found")
     max_tokens = data.get("max_tokens", 16)
     temperature, top_p = data.get("temperature", 1.0), data.get("top_p", 1.0)
@@ -240,6 +250,11 @@ with cases("a string prompt, every default"):
     assert expect_type(ok.stop, "stop", list) == [] and expect_bool(ok.stream, "stream") is False, "stop defaults to [], stream to False"
     assert ok.params.temperature == 1.0 and ok.params.top_p == 1.0 and ok.params.seed is None, \
         "temperature and top_p default to 1.0, seed to None"
+with cases("null means not given; model may be left out; a negative seed"):
+    sdk = accepted(b'{"prompt": "hi", "stop": null, "temperature": null, "max_tokens": null, "seed": -1}',
+                   "null is 'not given' and model may be left out, as the OpenAI SDK sends them")
+    assert sdk.stop == [] and sdk.params.temperature == 1.0 and sdk.max_tokens == 16, "a null field takes its default"
+    assert sdk.params.seed == -1, "a negative seed is passed on as given"
 with cases("every field given"):
     full = accepted(json.dumps({"model": "served", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "top_p": 0.5,
                                 "seed": 9, "stop": "\n", "stream": True, "stream_options": {"include_usage": True}}),
@@ -250,7 +265,8 @@ with cases("every field given"):
 for body, status, param, code, why in [
         (b"{not json", 400, None, None, "not JSON: 400 with param None"),
         (b'{"model": "served", "prompt": "hi", "foo": 1}', 400, "foo", None, "a field not in FIELDS is refused, naming it"),
-        (b'{"prompt": "hi"}', 400, "model", None, "model is required"),
+        (b'{"model": "served"}', 400, "prompt", None, "prompt is required"),
+        (b'{"model": "served", "prompt": null}', 400, "prompt", None, "null means 'not given', and prompt is required"),
         (b'{"model": "served", "prompt": "hi", "max_tokens": "10"}', 400, "max_tokens", None, "max_tokens must be an integer, not a string"),
         (b'{"model": "served", "prompt": "hi", "max_tokens": true}', 400, "max_tokens", None,
          "JSON true is a bool, not a number: compare type(value) with FIELDS, not isinstance (bool is a subclass of int)"),
@@ -385,6 +401,85 @@ print("\n".join(page.splitlines()[:6]) + "\n...")
 for name, value in parse_metrics(page).items():
     print(f"{name:40} {value:g}")
 '''),
+md(r"""
+### Where a streamed token's time goes
+
+Between two tokens a client waits for the model's step, and for the serving layer's own work:
+detokenizing, building the JSON chunk and its SSE frame, the HTTP layer and the event loop. Here are
+the pieces measured one by one on this machine (medians), beside the gap the client sees. Your
+`TextStream` decodes every id at every token, so its cost grows with the text; the course's
+(`course.serve.streaming.TextStream`) decodes a window of a few ids, as vLLM's detokenizer does.
+"""),
+code(r'''
+import statistics
+from course.serve.streaming import TextStream as WindowedTextStream   # vLLM's offsets: a few ids per token
+
+n_tok = env.pick(64, 24, cpu=48)
+story = "Write a short story about a river."
+body = {"model": MODEL_NAME, "prompt": story, "max_tokens": n_tok, "temperature": 0, "stream": True, "ignore_eos": True}
+arrivals = []
+with httpx.Client(base_url=BASE_URL, timeout=120) as http, http.stream("POST", "/v1/completions", json=body) as r:
+    for line in r.iter_lines():
+        if line.startswith("data: {"):
+            arrivals.append(time.perf_counter())
+client_gap = statistics.median(b - a for a, b in zip(arrivals, arrivals[1:]))
+
+core = make_core("prefill_first", max_running=1)                 # the same engine, alone: the model's step
+core.add_request("timing", encode(story), SamplingParams(temperature=0), n_tok, ignore_eos=True)
+step_s, story_ids = [], []
+while core.has_work():
+    t0 = time.perf_counter()
+    story_ids += [o.token for o in core.step()]
+    step_s.append(time.perf_counter() - t0)
+model_step = statistics.median(step_s[1:])                       # the first step is the prefill
+
+def per_push(stream_class) -> float:
+    ts, t0 = stream_class(decode), time.perf_counter()
+    for t in story_ids:
+        ts.push(t)
+    return (time.perf_counter() - t0) / len(story_ids)
+
+chunk = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": MODEL_NAME,
+         "choices": [{"index": 0, "text": " river", "logprobs": None, "finish_reason": None}]}
+t0 = time.perf_counter()
+for _ in range(1000):
+    frame = f"data: {json.dumps(chunk)}\n\n".encode()
+json_sse = (time.perf_counter() - t0) / 1000
+
+# HTTP and the event loop alone: a server that streams ready-made frames, no model between them
+from starlette.applications import Starlette
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+async def ready_frames(request):
+    async def frames():
+        for _ in range(2000):
+            yield frame
+            await asyncio.sleep(0)                                  # let the loop run, as between engine steps
+    return StreamingResponse(frames(), media_type="text/event-stream")
+
+with ServerThread(Starlette(routes=[Route("/frames", ready_frames)])) as echo:
+    with httpx.Client(timeout=60) as http, http.stream("GET", f"{echo.url}/frames") as r:
+        t0 = time.perf_counter()
+        n_bytes = sum(len(b) for b in r.iter_bytes())
+        http_loop = (time.perf_counter() - t0) / (n_bytes / len(frame))
+
+ms = lambda s: f"{s * 1e3:8.3f} ms"
+print(f"per token, {len(story_ids)} tokens, {env.device}, {str(env.dtype).replace('torch.', '')} (the step and the wait: medians; the rest: means of many):")
+print(f"  the model's step (the engine alone, batch of 1)   {ms(model_step)}")
+print(f"  detokenizing: your TextStream (all ids)          {ms(per_push(TextStream))}")
+print(f"  detokenizing: a window of ids (vLLM's way)        {ms(per_push(WindowedTextStream))}")
+print(f"  JSON chunk + SSE frame                            {ms(json_sse)}")
+print(f"  HTTP and the event loop, per chunk                {ms(http_loop)}")
+print(f"  what the client waits between tokens              {ms(client_gap)} (the engine serving this one request)")
+'''),
+md(r"""
+Read your own numbers: the client's wait is about the model's step, and the serving layer's pieces
+are small beside it here. They do not shrink on a GPU, though, while the model's step does, to a few
+milliseconds: there the serving layer's share grows. That
+is why vLLM's newer engine runs the model loop in a process of its own, with tokenizing, detokenizing
+and HTTP in another, so the two overlap instead of taking turns.
+"""),
 md(r"""
 ### What a server must survive
 
