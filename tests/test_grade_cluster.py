@@ -7,14 +7,17 @@ import io
 import os
 import signal
 import sqlite3
+import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
 
 from autograder import authoring
-from autograder.grade import cluster, progress
+from autograder.grade import cluster, progress, scratch
 from autograder.grade.pipeline import Config, grade_all
 from autograder.grade.worker import Job
 from dask_cluster import dask_cluster
@@ -83,9 +86,14 @@ def test_a_dask_cluster_grades_alike_survives_a_killed_worker_and_a_lost_schedul
             time.sleep(0.3)
         assert slow, "the slow student's job never started"
         time.sleep(2)
-        os.kill(client.run(os.getpid, workers=[slow])[slow], signal.SIGKILL)   # mid-job: the nanny restarts it
+        killed = client.run(os.getpid, workers=[slow])[slow]
+        os.kill(killed, signal.SIGKILL)                     # mid-job: the nanny restarts it
         run.join(timeout=300)
         assert not run.is_alive()
+        while None in client.run(cluster.worker_check_result).values() and time.monotonic() < deadline + 60:
+            time.sleep(0.3)                                 # the killed worker's replacement runs its check
+        left = [p.name for p in Path(tempfile.gettempdir()).iterdir() if scratch.owner(p.name) == killed]
+        assert not left, f"the killed worker's folders (its 0.5 GB model copy) outlived its replacement's check: {left}"
         names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
         taken = client.run(cluster.jobs_taken)
 
@@ -171,3 +179,25 @@ def test_progress_shows_a_live_line_on_a_terminal_and_numbered_lines_in_a_log(ca
         bar.done("b lab: 0/2", failed=True)
     err = capsys.readouterr()
     assert "[2/2] b lab: 0/2" in err.out + err.err and "2/2" in err.err and "failed=1" in err.err
+
+
+def test_a_killed_graders_scratch_folders_are_removed_by_the_next_and_no_others(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()                                                    # a process id that no longer runs
+    folders = {"dead": f"course-worker-model-{gone.pid}-abc", "dead-remote": f"course-grade-remote-{gone.pid}-x",
+               "dead-local": f"course-grade-{gone.pid}-y", "alive": f"course-worker-model-{os.getpid()}-abc",
+               "old-style": "course-grade-remote-k2j4", "not-ours": f"other-{gone.pid}-z"}
+    for name in folders.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"0" * 1024)
+    assert scratch.owner(folders["dead-remote"]) == gone.pid and scratch.owner(folders["old-style"]) is None
+    removed = {p.name for p in scratch.sweep(tmp_path)}
+    assert removed == {folders["dead"], folders["dead-remote"], folders["dead-local"]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({folders["alive"], folders["old-style"], folders["not-ours"]})
+    made = scratch.make("course-grade-")
+    try:
+        assert scratch.owner(made.name) == os.getpid() and made.parent == Path(tempfile.gettempdir())
+    finally:
+        made.rmdir()
+    with pytest.raises(ValueError, match="prefix"):
+        scratch.make("mine-")

@@ -46,6 +46,7 @@ except ImportError:               # grading on this machine only: Dask is not ne
 
 from autograder import LABS, REPO, ROOT
 from autograder.grade.outcome import Outcome
+from autograder.grade import scratch
 from autograder.grade.sandbox import Limits, SandboxUnavailable
 
 RESOURCE = "course-grader"          # granted by SandboxCheck to a worker that passed; every job asks for 1
@@ -134,7 +135,7 @@ def worker_model_cache(sandboxed: bool) -> Path | None:
     from autograder.grade.pipeline import model_cache
 
     if sandboxed not in _model_copies:
-        keep = Path(tempfile.mkdtemp(prefix="course-worker-model-"))
+        keep = scratch.make("course-worker-model-")   # a killed worker's copy: the next worker removes it
         atexit.register(shutil.rmtree, keep, True)
         _model_copies[sandboxed] = model_cache(keep, sandboxed)
     return _model_copies[sandboxed]
@@ -145,6 +146,7 @@ def check_this_worker(expected: dict, sandbox: bool, gpu: bool, limits: dict) ->
     Returns {"version", "ok", "why", "said"}."""
     from autograder.grade import sandbox as sb
 
+    scratch.sweep()                      # the folders of workers killed before their clean-up ran
     mine = code_version()
     result = {"version": mine, "ok": False, "why": "", "said": ""}
     if mine["code"] != expected["code"]:
@@ -204,8 +206,8 @@ def grade_remote(payload: dict) -> dict:
     if _check is None or not _check["ok"]:
         raise SandboxUnavailable(f"this worker has not passed its check: {(_check or {}).get('why', 'not run')}")
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="course-grade-remote-") as tmp:
-        tmp = Path(tmp)
+    tmp = scratch.make("course-grade-remote-")
+    try:
         files = {}
         for name, data in payload["files"].items():            # submission, source, release, data/<name>
             path = tmp / "in" / name
@@ -227,6 +229,8 @@ def grade_remote(payload: dict) -> dict:
         graded = work / "autograded.ipynb"
         return {"outcome": outcome.to_json(), "autograded": graded.read_bytes() if graded.is_file() else None,
                 "host": os.uname().nodename, "seconds": round(time.monotonic() - start, 1)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class DaskCluster(_Backend):

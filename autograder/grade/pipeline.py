@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import nbformat
 
 from autograder import GRADEBOOK, LABS, REPO, ROOT, lab_names, lab_notebook, load_config
-from autograder.grade import cluster, collect, feedback, gradebook, progress, report, sandbox
+from autograder.grade import cluster, collect, feedback, gradebook, progress, report, sandbox, scratch
 from autograder.grade.execute import RunLimits
 from autograder.grade.outcome import CellResult, Outcome
 from autograder.grade.repair import cell_kind, grade_id
@@ -104,7 +103,8 @@ def grade_all(cfg: Config, log=print) -> list[Outcome]:
         log(f"no submissions in {cfg.submitted} (expected <student>/<lab>/<lab>.ipynb)")
         return []
     cell_timeout = cfg.cell_timeout or int(load_config().Execute.timeout)
-    tmp = Path(tempfile.mkdtemp(prefix="course-grade-"))
+    scratch.sweep()                       # what a killed grader left behind (a model copy is 0.5 GB)
+    tmp = scratch.make("course-grade-")
     try:
         return _grade(cfg, log, students, found, labs, cell_timeout, tmp)
     finally:
