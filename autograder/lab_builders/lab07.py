@@ -1,9 +1,14 @@
-"""Builds the lab 07 source notebook. Edit this file, then run from the repo root:
+"""Builds the lab 07 source notebook. Edit this file (or its section, lab07_penalties.py), then run
+from the repo root:
 
     .venv/bin/python -m autograder.lab_builders.lab07
+
+Sections: this file (greedy, Problems 1-5, then Problems 7-8, the measurements, the summary) and
+lab07_penalties.py (section 5: penalties and logit bias, Problem 6, a greedy loop broken by them).
 """
 from autograder.authoring import answer, code, locked, md, solution, tests, write_notebook  # noqa: E402
 from autograder.lab_builders.common_cells import CHECK_YOUR_WORK, COLAB_INSTALL, SETUP  # noqa: E402
+from autograder.lab_builders.lab07_penalties import CELLS as PENALTIES  # noqa: E402
 
 # The independent reference of the hidden tests: the kept set and final probabilities of one row,
 # in float64 with plain Python loops, following vLLM's order (temperature, min-p, top-k, top-p).
@@ -69,22 +74,23 @@ is the **sampler**, the last step of every decode iteration, and it shapes the t
 model does. Pick the top token every time (**greedy**) and the text is safe, and often loops.
 Pick at random from the whole distribution and it drifts into nonsense, because thousands of
 unlikely tokens together hold real probability. Between the two sit the knobs every serving API
-exposes: **temperature**, **top-k**, **top-p** and **min-p**. A server applies them per request,
-in one batch, in a fixed order, and a seed's random draws must not depend on whoever else is in the
-batch. **Beam search** takes another path: it keeps several candidate texts and returns the
-most likely one it finds.
+exposes: **temperature**, **top-k**, **top-p** and **min-p**, and the **penalties** that push down
+tokens the text already holds, against loops. A server applies them per request, in one batch, in a
+fixed order, and a seed's random draws must not depend on whoever else is in the batch. **Beam
+search** takes another path: it keeps several candidate texts and returns the most likely one it finds.
 
 **You will**
 - see greedy decoding repeat itself, and measure it (repetition and distinct-n);
 - write temperature, top-k, top-p and min-p as logits processors that work on a whole batch, each row with its own settings;
 - combine them into one batched sampler, in the order vLLM applies them, with greedy rows and one random generator per request (like vLLM's `SamplingParams(seed=...)`);
+- write the repetition, frequency and presence penalties and the logit bias of the OpenAI/vLLM request, in vLLM's order, and break a greedy loop with them;
 - write beam search with a length penalty whose output equals Hugging Face `generate(num_beams=...)` on the real model;
 - explore the next-token distribution in a widget, and measure repetition and diversity of greedy, beam and sampled text, and what temperature does.
 
-**Time:** about 3 hours 25 minutes: 35 minutes of reading, seven problems (temperature, top-k, top-p
+**Time:** about 3 hours 55 minutes: 40 minutes of reading, eight problems (temperature, top-k, top-p
 and min-p 10-15 minutes each, the batched sampler and seeded generation about 45 minutes together,
-beam search about 50), 25 minutes for the written questions at the end, and about 2 minutes of running
-on a laptop CPU (1.8 minutes measured on 2 cores). **Hardware:** everything runs on a laptop CPU; a GPU
+penalties about 25, beam search about 50), 25 minutes for the written questions at the end, and about
+2 minutes of running on a laptop CPU (1.8 minutes measured on 2 cores). **Hardware:** everything runs on a laptop CPU; a GPU
 is used when there is one.
 """),
 locked("colab_install", COLAB_INSTALL),
@@ -206,10 +212,10 @@ setting per row, a `(B,)` tensor. They are **logits processors**: logits in, log
 temperature is 0, which are returned unchanged (they are greedy: the sampler takes their argmax).
 It raises `ValueError` if a temperature is negative, and never modifies its input.
 
-**Grading.** The tests of Problems 1-5 check many independent settings (a temperature, a `k`, a `p`, a
-`min_p`, one request's parameters in a batch). Each setting is a *case* worth its share of the
+**Grading.** The tests of Problems 1-6 check many independent settings (a temperature, a `k`, a `p`, a
+`min_p`, one request's parameters in a batch, a penalty). Each setting is a *case* worth its share of the
 problem's points: a mistake that breaks some settings costs only their share, and the feedback lists
-the cases you lost. Problems 6 and 7 test one property each, all or nothing.
+the cases you lost. Problems 7 and 8 test one property each, all or nothing.
 """),
 solution("temperature", r'''
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -822,8 +828,10 @@ md(r"""
 When min-p removes a long tail, top-p then measures its 90% over the few survivors and may cut some
 of them too, so the first order tends to keep fewer tokens. A server and a library given the same
 settings can therefore sample from different sets. When you compare engines, compare their orders too.
-
-## 5. Seeded generation
+"""),
+*PENALTIES,
+md(r"""
+## 6. Seeded generation
 
 The sampler takes generators; a request's `seed` has to become one. Each request gets its own
 generator when it starts, and keeps it for all its tokens: its random draws then never depend on
@@ -831,7 +839,7 @@ the batch. (Its logits still can: in bf16 on a GPU the batch changes how they ro
 that promise the same text in any batch need batch-invariant kernels. In float32, as in the tests,
 the text is the same.)
 
-## Problem 6: Seeded, per-request generation (2 points)
+## Problem 7: Seeded, per-request generation (2 points)
 
 **Deliverable:** `sampled_generate(model, prompts, params, max_new_tokens, eos_token_id=None)` returns
 the new tokens of every prompt (a list of lists), generated in one batch with the given `generate`
@@ -909,7 +917,7 @@ with substituted(globals(), sample=course_sample):
 ### END HIDDEN TESTS
 """),
 md(r"""
-## 6. Beam search
+## 7. Beam search
 
 Greedy decoding commits to the best token at every step. The workshop names its second flaw: it
 "misses high-probability words hidden behind low-probability words". A sequence whose first token
@@ -959,7 +967,7 @@ def reorder_beams(cache: SlotKVCache, parents: list[int]) -> None:
     cache.valid[:n] = cache.valid[src].clone()
 '''),
 md(r"""
-## Problem 7: Beam search with a length penalty (4 points)
+## Problem 8: Beam search with a length penalty (4 points)
 
 **Deliverable:** `beam_search(model, prompt, num_beams, max_new_tokens, length_penalty=1.0,
 eos_token_id=None)` runs the algorithm above on our model (with `forward_cached`, one cache slot per
@@ -1084,7 +1092,7 @@ assert beams(model_fp32, p, 2, 8, 2.0, eos_token_id=EOS) == hf_beam(p, 2, 8, 2.0
 ### END HIDDEN TESTS
 """),
 md(r"""
-## 7. Measure: repetition and diversity
+## 8. Measure: repetition and diversity
 
 Now the four ways to choose a token, on the same prompts, with the same number of new tokens:
 greedy, beam search (4 beams), nucleus sampling (temperature 0.7, top-p 0.9) and pure sampling
@@ -1210,6 +1218,10 @@ no free setting, only a choice of where to sit on this curve.
   **top-p** the smallest top set reaching mass `p` (the crossing token included), **min-p** every token
   at least `min_p` times as likely as the top one. Survivors are renormalized.
 - The **order** matters: temperature first, then truncation (vLLM: min-p, top-k, top-p; HF: top-k, top-p, min-p).
+- **Penalties** push down tokens the text already holds: repetition divides (or, for a negative logit,
+  multiplies) every token of the prompt and output, frequency subtracts per occurrence in the output,
+  presence once. With the logit bias they come first, before the greedy argmax and the temperature,
+  so they change greedy text too.
 - A batch holds **per-request settings** and **one generator per seeded request**, so a seed's draws
   never depend on the batch.
 - **Beam search** keeps `K` beams, ranks finished sequences by `sum log p / L^alpha`, and often, not
@@ -1328,8 +1340,10 @@ md(r"""
 - **vLLM**'s V1 sampler (`vllm/v1/sample/`) takes the greedy rows' argmax first, then applies
   temperature, min-p, top-k and top-p on tensors that hold every request's settings. For the draw it
   divides the probabilities by exponential noise and takes the argmax (the exponential race, same
-  distribution as `multinomial`), with per-request generators for seeded requests. It also
-  implements penalties (repetition, frequency, presence), logprobs and logit bias.
+  distribution as `multinomial`), with per-request generators for seeded requests. Before all of it
+  come the logit bias and the penalties of section 5; its newer GPU runner keeps each request's token
+  counts (prompt and output, `V` counts each) in GPU tensors, and one Triton kernel applies all three
+  penalties to the batch. It also returns logprobs.
 - **FlashInfer**'s sampling kernels find top-k and top-p survivors by rejection sampling, without
   sorting the vocabulary, a large saving for vocabularies of 100k+ tokens.
 - **Structured output** (xgrammar, Outlines, llguidance) is a logits processor too: a grammar masks
