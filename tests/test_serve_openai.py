@@ -12,6 +12,8 @@ import os
 import random
 import time
 
+from pathlib import Path
+
 import httpx
 import pytest
 import torch
@@ -541,16 +543,60 @@ def test_guidellm_and_the_course_load_generator_measure_the_same_latencies(token
     assert 0.5 <= g_ttft / ttft <= 2, measured
 
 
+LM_EVAL_TASK = """\
+task: course_capitals
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+
+
 @pytest.mark.slow
-def test_the_real_model_scores_a_continuation_like_an_eval_harness(tokenizer):
-    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 0; the sum over the continuation."""
+def test_lm_eval_scores_continuations_through_the_completions_endpoint(tokenizer, tmp_path):
+    """An evaluation harness no one here wrote: lm-eval's `local-completions` model runs a small multiple-choice
+    task (tests/data/lm_eval) through /v1/completions (echo, logprobs, token-id prompts in batches). Every
+    log-likelihood it reads back equals the one the model gives directly (one float32 forward pass here):
+    the server's prompt log-probabilities are the model's, in OpenAI's shape, at the right positions."""
+    import subprocess
+    import sys
+
+    import lm_eval  # noqa: F401 (pinned in the dev extras: missing is a failure, never a skip)
+    data = Path(__file__).parent / "data" / "lm_eval" / "capitals.jsonl"
+    (tmp_path / "course_capitals.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
     model = course.load_model()
-    core = LLMEngine(model, n_blocks=64, block_size=16, max_running=4, budget=64, eos_token_id=tokenizer.eos_token_id)
-    with ServerThread(build_app(AsyncEngine(core), tokenizer, NAME)) as s:
-        def score(context, continuation):
-            r = httpx.post(f"{s.url}/v1/completions", timeout=120, json={"model": NAME, "prompt": context + continuation,
-                                                                         "max_tokens": 0, "echo": True, "logprobs": 1})
-            lp = r.json()["choices"][0]["logprobs"]
-            n = len(encode(tokenizer, context))
-            return sum(lp["token_logprobs"][n:])
-        assert score("The capital of France is", " Paris") > score("The capital of France is", " London") + 1.0
+    core = LLMEngine(model, n_blocks=128, block_size=16, max_running=4, budget=256, eos_token_id=tokenizer.eos_token_id)
+    with ServerThread(build_app(AsyncEngine(core), tokenizer, "SmolLM2")) as s:
+        args = (f"model=SmolLM2,base_url={s.url}/v1/completions,tokenizer_backend=huggingface,"
+                f"tokenizer={tmp_path / 'tokenizer'},num_concurrent=1,max_retries=1")
+        run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
+                              "--tasks", "course_capitals", "--include_path", str(tmp_path), "--output_path",
+                              str(tmp_path / "out"), "--log_samples"], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    samples = [json.loads(line) for f in (tmp_path / "out").rglob("samples_course_capitals_*.jsonl") for line in open(f)]
+    assert len(samples) == len(data.read_text().splitlines())
+
+    def direct(context: str, continuation: str) -> float:      # sum of log p(continuation token | everything before)
+        ctx, whole = encode(tokenizer, context), encode(tokenizer, context + continuation)
+        ids = torch.tensor([whole])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids, torch.arange(len(whole))[None]).float(), dim=-1)[0]
+        return sum(logp[i - 1, whole[i]].item() for i in range(len(ctx), len(whole)))
+
+    for sample in samples:
+        doc = sample["doc"]
+        for choice, (score, _greedy) in zip(doc["choices"], sample["filtered_resps"]):
+            want = direct(doc["question"], choice)
+            # float32 sums over 1-3 tokens, the same weights on one CPU: agreement to 1e-3 nats
+            assert abs(float(score) - want) < 1e-3, (doc["question"], choice, score, want)
+        assert sample["acc"] == 1.0, f"the model should get {doc['question']!r} right: {sample['filtered_resps']}"
