@@ -510,37 +510,38 @@ def test_guidellm_benchmarks_the_server_with_no_errors(server, tokenizer, tmp_pa
         assert m["time_to_first_token_ms"]["successful"]["count"] == 6
 
 
-@pytest.mark.slow
-def test_guidellm_and_the_course_load_generator_measure_the_same_latencies(tokenizer, tmp_path):
-    """The same workload (one request at a time, 32 prompt tokens, 8 output tokens) on the real model,
-    measured by guidellm and by the course's own client (course.serve.loadgen): the medians of time to
-    first token and inter-token latency agree within a factor of 2. With the real model a decode step
-    takes tens of ms on a CPU, so both tools measure the model, not their own overhead; a factor of 2
-    leaves room for a busy 2-core machine, and still fails a tool that counts the first token in the
-    inter-token latency or times something else."""
+def test_guidellm_and_the_course_load_generator_measure_the_same_latencies(tiny, tokenizer, tmp_path):
+    """The same workload (one request at a time, 32 prompt tokens, 8 output tokens), measured by guidellm
+    and by the course's own client (course.serve.loadgen): the medians of time to first token and of
+    inter-token latency agree within 1.5x. Every engine step is made to take 150 ms more (a sleep, which
+    holds no core), so what both tools time is the server's pace, not the CPU they compete for: on a
+    2-core machine guidellm's own processes slow a compute-bound server by 2x (measured in the full
+    suite with the real model). A tool that timed something else, or counted the first token as an
+    inter-token gap, would read far outside 1.5x."""
     import statistics
 
     from course.serve.loadgen import random_requests, send_completion
 
-    model = course.load_model()
-    core = LLMEngine(model, n_blocks=64, block_size=16, max_running=4, budget=256, eos_token_id=tokenizer.eos_token_id)
-    with ServerThread(build_app(AsyncEngine(core), tokenizer, "SmolLM2")) as s:
+    core = LLMEngine(tiny, n_blocks=256, block_size=16, max_running=4, budget=256, eos_token_id=tokenizer.eos_token_id)
+    step = core._run
+    core._run = lambda plan: (time.sleep(0.15), step(plan))[1]           # a 150 ms step, whatever the load
+    with ServerThread(build_app(AsyncEngine(core), tokenizer, NAME)) as s:
         async def ours():
             async with httpx.AsyncClient(timeout=120) as client:
-                return [await send_completion(client, s.url, "SmolLM2", ids, 8)
+                return [await send_completion(client, s.url, NAME, ids, 8)
                         for ids, _ in random_requests(5, 32, 8, vocab=len(tokenizer), seed=1)]
         records = asyncio.run(ours())[1:]                       # the first request warms up
         assert all(r.ok and r.output_tokens == 8 for r in records), [r.error for r in records]
         ttft = statistics.median(r.ttft for r in records) * 1e3
         itl = statistics.median(statistics.mean(r.itl) for r in records) * 1e3
-        (m,) = _guidellm(s.url, "SmolLM2", tokenizer, tmp_path, streams=[1], requests=4, prompt_tokens=32, output_tokens=8)
+        (m,) = _guidellm(s.url, NAME, tokenizer, tmp_path, streams=[1], requests=4, prompt_tokens=32, output_tokens=8)
     assert m["request_totals"]["errored"] == 0 and m["request_totals"]["successful"] == 4, m["request_totals"]
     g_ttft = m["time_to_first_token_ms"]["successful"]["median"]
     g_itl = m["inter_token_latency_ms"]["successful"]["median"]
     measured = f"TTFT {g_ttft:.1f} ms (guidellm) vs {ttft:.1f} ms (course); ITL {g_itl:.1f} vs {itl:.1f} ms"
     print(measured)
-    assert 0.5 <= g_itl / itl <= 2, measured
-    assert 0.5 <= g_ttft / ttft <= 2, measured
+    assert 1 / 1.5 <= g_itl / itl <= 1.5, measured
+    assert 1 / 1.5 <= g_ttft / ttft <= 1.5, measured
 
 
 LM_EVAL_TASK = """\

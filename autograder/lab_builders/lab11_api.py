@@ -442,7 +442,7 @@ def per_push(stream_class) -> float:
 chunk = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": MODEL_NAME,
          "choices": [{"index": 0, "text": " river", "logprobs": None, "finish_reason": None}]}
 t0 = time.perf_counter()
-for _ in range(1000):
+for rep in range(1000):
     frame = f"data: {json.dumps(chunk)}\n\n".encode()
 json_sse = (time.perf_counter() - t0) / 1000
 
