@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from pathlib import Path
 from urllib.parse import quote, urlencode, urlsplit
 
 from autograder import REPO, lab_names, lab_notebook
+from autograder.site import lab_info
 
 OUT = REPO / "build" / "links"
 DEFAULT_FOLDER = "llm-inference"   # = c.CourseDirectory.course_id in deploy/hub/nbgrader_config.py
@@ -48,13 +48,9 @@ def lab_link(hub: str, repo: str, lab: str, branch: str = "main", folder: str = 
 
 
 def lab_title(lab: str) -> str:
-    """The lab's first heading, e.g. "Lab 01: Inference, one token at a time"."""
-    for cell in json.loads(lab_notebook(lab).read_text())["cells"]:
-        if cell["cell_type"] == "markdown":
-            first = "".join(cell["source"]).lstrip().splitlines()[0]
-            if first.startswith("#"):
-                return first.lstrip("#").strip()
-    return lab
+    """The lab's title as its first heading gives it, e.g. "Lab 01: Inference, one token at a time"."""
+    info = lab_info(lab_notebook(lab), lab)
+    return f"Lab {info.number}: {info.title}"
 
 
 def write_links(hub: str, repo: str, branch: str = "main", folder: str = DEFAULT_FOLDER,

@@ -19,10 +19,10 @@ import torch
 
 import course
 from course.engine import SamplingParams
-from course.models import Decoder, ModelConfig, init_weights
 from course.serve import (APIError, AsyncEngine, LLMEngine, ServerThread, TextStream, build_app, parse_chat,
                           parse_completion, random_requests, send_completion)
 from course.serve.metrics import parse as parse_metrics
+from tiny_models import tiny_llama
 
 NAME = "tiny"
 
@@ -34,9 +34,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny(tokenizer):
-    cfg = ModelConfig(family="llama", vocab_size=len(tokenizer), n_layer=2, n_head=4, n_kv_head=2, d_model=32,
-                      d_ff=64, max_seq_len=4096)
-    return init_weights(Decoder(cfg), std=0.5, seed=0).eval()
+    return tiny_llama(len(tokenizer))
 
 
 def start(model, tokenizer, *, max_running=4, max_waiting=8, n_blocks=256, budget=32, policy="chunked"):

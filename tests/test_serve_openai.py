@@ -21,10 +21,10 @@ import torch
 import course
 from course.engine import SamplingParams, sample
 from course.engine.penalties import apply_logit_bias, apply_penalties
-from course.models import Decoder, ModelConfig, init_weights
 from course.serve import APIError, AsyncEngine, LLMEngine, ServerThread, TextStream, build_app, parse_chat, parse_completion
 from course.serve.metrics import parse as parse_metrics
 from course.tolerance import for_decoder, order_tol
+from tiny_models import tiny_llama
 
 NAME = "tiny"
 
@@ -36,9 +36,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny(tokenizer):
-    cfg = ModelConfig(family="llama", vocab_size=len(tokenizer), n_layer=2, n_head=4, n_kv_head=2, d_model=32,
-                      d_ff=64, max_seq_len=4096)
-    return init_weights(Decoder(cfg), std=0.5, seed=0).eval()
+    return tiny_llama(len(tokenizer))
 
 
 @pytest.fixture(scope="module")
