@@ -15,6 +15,13 @@ never started. The lab plugs its own parts in: `parse_completion`, `completion_e
 `text_stream`; they serve what they know (one prompt, text only), and the course's own parts serve
 the rest (a list of prompts, logprobs, echo, usage in every chunk).
 
+Structured outputs (`response_format` json_object or json_schema, on both endpoints): served when the
+engine's `add_request` takes a `grammar` (the course's LLMEngine does; a lab's engine may not, and
+then they are refused by name). The grammar comes from a GrammarCache (grammars.py): compiled in a
+worker thread the first time a schema is seen, then shared; a schema outside the subset is a 400
+naming the keyword, before anything reaches the engine. The engine masks each constrained request's
+logits at every step (engine.py); text streams and responses are built exactly as for text.
+
 A list of prompts runs as separate engine requests at once (the engine batches them anyway); their
 choices come back in order, each with its `index`, streamed interleaved as they come. Every request
 is timed for /metrics (metrics.RequestStats): first token, gaps between tokens, the whole request,
@@ -27,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import inspect
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -40,6 +48,7 @@ from starlette.routing import Route
 from course.serve import metrics as prom
 from course.serve import protocol, streaming
 from course.serve.async_engine import QueueFull
+from course.serve.grammars import GrammarCache
 from course.serve.logprobs import ChatLogprobs, CompletionLogprobs
 
 MAX_BODY_BYTES = 4 << 20           # 4 MiB: far more than the longest context in token ids or text
@@ -57,6 +66,8 @@ def build_app(engine, tokenizer, model_name: str, *, parse_completion: Callable 
     core = engine.core
     vocab = core.model.cfg.vocab_size
     stats = prom.RequestStats(core.max_model_len)
+    structured = _takes_grammar(core)
+    grammars = GrammarCache(tokenizer, vocab, eos_token_id=getattr(core, "eos_token_id", None))
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False).input_ids
@@ -88,7 +99,7 @@ def build_app(engine, tokenizer, model_name: str, *, parse_completion: Callable 
     async def completions(request: Request) -> Response:
         try:
             body = await read_body(request)
-            req = (protocol.parse_completion(body, model_name, encode, core.max_model_len, vocab)
+            req = (protocol.parse_completion(body, model_name, encode, core.max_model_len, vocab, structured=structured)
                    if parse_completion is protocol.parse_completion
                    else parse_completion(body, model_name, encode, core.max_model_len))
         except protocol.APIError as e:
@@ -97,7 +108,8 @@ def build_app(engine, tokenizer, model_name: str, *, parse_completion: Callable 
 
     async def chat(request: Request) -> Response:
         try:
-            req = protocol.parse_chat(await read_body(request), model_name, chat_ids, core.max_model_len, vocab)
+            req = protocol.parse_chat(await read_body(request), model_name, chat_ids, core.max_model_len, vocab,
+                                      structured=structured)
         except protocol.APIError as e:
             return error_response(e)
         return await respond(request, req, chat=True)
@@ -117,6 +129,11 @@ def build_app(engine, tokenizer, model_name: str, *, parse_completion: Callable 
                 options[name] = value
         if req.echo and req.logprobs is not None:
             options["prompt_logprobs"] = req.logprobs
+        if req.response_format is not None:                     # compiled off the event loop, once per schema
+            try:
+                options["grammar"] = await grammars.get(req.response_format)
+            except protocol.APIError as e:
+                return error_response(e)
         rids = []
         try:
             for p in prompts:                                    # echo with max_tokens 0 still runs one step
@@ -193,7 +210,7 @@ def build_app(engine, tokenizer, model_name: str, *, parse_completion: Callable 
         return Response(status_code=200)
 
     async def metrics_page(request: Request) -> Response:
-        values = core.metrics() | {"waiting": engine.num_waiting}
+        values = core.metrics() | grammars.metrics() | {"waiting": engine.num_waiting}
         return Response(prom.render(values, model_name, requests=stats), media_type=prom.CONTENT_TYPE)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -216,7 +233,16 @@ def build_app(engine, tokenizer, model_name: str, *, parse_completion: Callable 
               Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics_page)]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.request_stats = stats
+    app.state.grammars = grammars
     return app
+
+
+def _takes_grammar(core) -> bool:
+    """Can this engine constrain decoding? True when its add_request takes a `grammar` (the course's does)."""
+    try:
+        return "grammar" in inspect.signature(core.add_request).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 async def _observed(outputs: AsyncIterator, rec, text, echo_only: bool = False) -> AsyncIterator:

@@ -44,6 +44,17 @@ METRICS = [
     ("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", "prompt_tokens"),
     ("generation_tokens_total", "counter", "Tokens generated.", "generation_tokens"),
     ("num_preemptions_total", "counter", "Requests preempted when KV blocks ran out.", "preemptions"),
+    # structured outputs (course's own; read with .get: an engine or app without them reports 0)
+    ("grammar_compiles_total", "counter", "Grammars compiled for response_format (cache misses).",
+     lambda m: m.get("grammar_compiles", 0)),
+    ("grammar_cache_hits_total", "counter", "response_format requests that found their grammar compiled (or compiling).",
+     lambda m: m.get("grammar_cache_hits", 0)),
+    ("grammar_compile_seconds_total", "counter", "Seconds spent compiling grammars and their token masks.",
+     lambda m: m.get("grammar_compile_seconds", 0)),
+    ("grammar_mask_seconds_total", "counter", "Seconds the engine's steps spent masking constrained requests' logits.",
+     lambda m: m.get("grammar_mask_seconds", 0)),
+    ("grammar_masked_rows_total", "counter", "Rows of logits masked by a grammar (one per constrained token).",
+     lambda m: m.get("grammar_masked_rows", 0)),
 ]
 FINISH_REASONS = ("stop", "length", "abort")
 

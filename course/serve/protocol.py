@@ -20,13 +20,19 @@ read, and keeps serving. OpenAI's error body, which vLLM and every compatible se
   chat content as a list of text parts (joined with "\\n", as vLLM does), the developer role (as system).
   vLLM's extensions: top_k (-1 or 0: off), min_p, repetition_penalty (> 0), min_tokens, ignore_eos,
   stop_token_ids.
+- response_format (structured outputs, lab 13; on both endpoints, as vLLM) when the server says its
+  engine can constrain decoding (`structured=True`, which build_app passes for the course's engine):
+  {"type": "text"}; {"type": "json_object"}; {"type": "json_schema", "json_schema": {"name", "schema",
+  "strict", "description"}}, OpenAI's shape (name: 1-64 of a-z A-Z 0-9 _ -). Checked here: the
+  shape, field by field. Checked when the grammar compiles (app.py): whether the schema is inside
+  course.structured's subset (a 400 naming the keyword).
 - Accepted and ignored, as they cannot change the text: user, store, metadata, service_tier,
   parallel_tool_calls, prompt_cache_key, safety_identifier, prediction (a latency hint),
-  response_format {"type": "text"}, tools [] with tool_choice "none" or "auto", modalities ["text"],
+  tools [] with tool_choice "none" or "auto", modalities ["text"],
   best_of 1, suffix "", a message's name.
 - Refused with 400 "'<param>' is not supported by this server": tools, functions and tool/function
   messages, tool_choice "required" or a named tool, n > 1, best_of > 1, a suffix, response_format
-  json_object or json_schema (structured outputs: a later lab), audio and the audio modality,
+  json_object or json_schema where the engine cannot constrain (structured=False), audio and the audio modality,
   reasoning_effort, verbosity, web_search_options, content parts other than text.
 - Anything else: "Unrecognized request argument supplied: <name>".
 
@@ -87,6 +93,9 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     prompts: tuple[list[int], ...] = ()    # completions given a list of prompts: all of them (prompt_ids first)
     prompt_texts: tuple[str | None, ...] = ()   # the prompts as sent, for echo (None: sent as token ids)
+    # structured outputs: (kind, spec) for course.structured.compile_grammar, ("json_object", None) or
+    # ("json_schema", schema); None for text
+    response_format: tuple[str, dict | None] | None = None
 
     @property
     def all_prompts(self) -> tuple[list[int], ...]:
@@ -107,7 +116,7 @@ COMMON = {"model": STR, "max_tokens": INT, "temperature": NUM, "top_p": NUM, "se
           "top_k": INT, "min_p": NUM, "repetition_penalty": NUM, "ignore_eos": BOOL, "min_tokens": INT,
           "stop_token_ids": ARR}
 COMPLETION_FIELDS = {**COMMON, "prompt": ((str, list), "a string, an array of strings or an array of token ids"),
-                     "logprobs": INT, "echo": BOOL, "best_of": INT, "suffix": STR}
+                     "logprobs": INT, "echo": BOOL, "best_of": INT, "suffix": STR, "response_format": OBJ}
 CHAT_FIELDS = {**COMMON, "messages": ((list,), "an array of messages"), "max_completion_tokens": INT,
                "logprobs": BOOL, "top_logprobs": INT, "store": BOOL, "metadata": OBJ, "service_tier": STR,
                "parallel_tool_calls": BOOL, "prompt_cache_key": STR, "safety_identifier": STR, "prediction": OBJ,
@@ -290,10 +299,13 @@ def _prompts(prompt, tokenize: Callable[[str], list[int]], vocab: int) -> tuple[
 
 
 def parse_completion(body: bytes | str, served_model: str, tokenize: Callable[[str], list[int]],
-                     max_model_len: int, vocab_size: int | None = None) -> GenerationRequest:
-    """A /v1/completions body -> GenerationRequest, or APIError naming what is wrong."""
+                     max_model_len: int, vocab_size: int | None = None, *,
+                     structured: bool = False) -> GenerationRequest:
+    """A /v1/completions body -> GenerationRequest, or APIError naming what is wrong.
+    structured: the engine can constrain decoding (response_format json_object / json_schema)."""
     data = _load(body, COMPLETION_FIELDS, ("prompt",))
     common = _common(data, served_model, vocab_size)
+    common["response_format"] = parse_response_format(data.get("response_format"), structured)
     if data.get("best_of", 1) != 1:
         _in(data, "best_of", 1, 1 << 31)
         raise not_supported("best_of", "one candidate per choice (best_of=1).")
@@ -367,6 +379,62 @@ def _text_part(where: str, part, role: str) -> str:
     raise APIError(400, f"'{where}' must be an object {{'type': 'text', 'text': string}}.", param=where)
 
 
+FORMATS = ("text", "json_object", "json_schema")
+JSON_SCHEMA_FIELDS = {"name": STR, "schema": OBJ, "strict": BOOL, "description": STR}
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")      # OpenAI's rule for json_schema.name
+
+
+def parse_response_format(fmt: dict | None, structured: bool = True) -> tuple[str, dict | None] | None:
+    """response_format -> None (text) or (kind, spec) for course.structured.compile_grammar:
+    ("json_object", None) or ("json_schema", schema). APIError names the bad field
+    ('response_format.json_schema.name', ...). Whether the schema is in the supported subset is
+    learned when it compiles, not here. structured=False: only {"type": "text"} is served."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind not in FORMATS:
+        raise APIError(400, f"'response_format.type' must be one of {list(FORMATS)}, got {show(kind)}.",
+                       param="response_format.type")
+    if kind != "text" and not structured:
+        raise not_supported("response_format", f"{kind} (structured outputs); only {{'type': 'text'}}.")
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    extra = sorted(set(fmt) - allowed)
+    if extra:
+        name = f"response_format.{cut(extra[0])}"
+        raise APIError(400, f"Unrecognized request argument supplied: {name} (a {kind} response_format has only "
+                       f"{sorted(allowed)}).", param=name)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("json_object", None)
+    return ("json_schema", _json_schema_field(fmt.get("json_schema")))
+
+
+def _json_schema_field(spec) -> dict:
+    """response_format.json_schema ({"name", "schema", "strict", "description"}) -> the schema."""
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise APIError(400, f"'{where}' must be an object {{'name': string, 'schema': object, 'strict': boolean}}, "
+                       f"got {_json_type(spec)}.", param=where)
+    spec = {k: v for k, v in spec.items() if v is not None}
+    for name in spec:
+        if name not in JSON_SCHEMA_FIELDS:
+            raise APIError(400, f"Unrecognized request argument supplied: {where}.{cut(name)}",
+                           param=f"{where}.{cut(name)}")
+    for name in ("name", "schema"):
+        if name not in spec:
+            raise APIError(400, f"Missing required parameter: '{where}.{name}'.", param=f"{where}.{name}")
+    for name, value in spec.items():
+        types, what = JSON_SCHEMA_FIELDS[name]
+        if type(value) not in types:
+            raise APIError(400, f"Invalid type for '{where}.{name}': expected {what}, but got {_json_type(value)}.",
+                           param=f"{where}.{name}")
+    if not SCHEMA_NAME.fullmatch(spec["name"]):
+        raise APIError(400, f"'{where}.name' must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -, got "
+                       f"{show(spec['name'])}.", param=f"{where}.name")
+    return spec["schema"]
+
+
 def _chat_unsupported(data: dict) -> None:
     """The chat fields the server accepts only in their harmless forms."""
     for name in NOT_SUPPORTED:
@@ -378,11 +446,6 @@ def _chat_unsupported(data: dict) -> None:
     for name in ("tool_choice", "function_call"):
         if name in data and data[name] not in ("none", "auto"):
             raise not_supported(name, "with no tools, only 'none' (or 'auto').")
-    fmt = data.get("response_format", {"type": "text"})
-    if fmt.get("type") in ("json_object", "json_schema"):
-        raise not_supported("response_format", f"{fmt['type']} (structured outputs); only {{'type': 'text'}}.")
-    if fmt != {"type": "text"}:
-        raise APIError(400, "'response_format' must be {'type': 'text'} here.", param="response_format")
     modalities = data.get("modalities", ["text"])
     if modalities != ["text"]:
         if all(isinstance(x, str) for x in modalities) and set(modalities) <= {"text", "audio"} and modalities:
@@ -391,11 +454,13 @@ def _chat_unsupported(data: dict) -> None:
 
 
 def parse_chat(body: bytes | str, served_model: str, apply_chat_template: Callable[[list[dict]], list[int]],
-               max_model_len: int, vocab_size: int | None = None) -> GenerationRequest:
-    """A /v1/chat/completions body -> GenerationRequest (the prompt made by the model's chat template)."""
+               max_model_len: int, vocab_size: int | None = None, *, structured: bool = False) -> GenerationRequest:
+    """A /v1/chat/completions body -> GenerationRequest (the prompt made by the model's chat template).
+    structured: the engine can constrain decoding (response_format json_object / json_schema)."""
     data = _load(body, CHAT_FIELDS, ("messages",))
     common = _common(data, served_model, vocab_size)
     _chat_unsupported(data)
+    common["response_format"] = parse_response_format(data.get("response_format"), structured)
     _in(data, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if "top_logprobs" in data and not data.get("logprobs"):
         raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")

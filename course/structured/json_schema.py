@@ -14,6 +14,8 @@ The subset, and what each becomes:
 - enum and const of any JSON values; anyOf and a list of types: alternatives.
 - array: `items` of one schema (any JSON value without it), `minItems` / `maxItems`.
 - annotations (title, description, default, examples, $schema, $id, $comment, ...) are ignored.
+- `$ref`: schema_to_regex refuses it; `resolve_refs(schema)` first inlines the local ones
+  ("#/$defs/Name": pydantic's enum fields and nested models), refusing recursive and remote ones.
 Anything else raises UnsupportedSchemaError, a ValueError that names the keyword and where it is
 (`pattern`, `format`, `minimum`, `$ref`, `oneOf`, `additionalProperties: true`, ...).
 
@@ -81,6 +83,61 @@ def json_object_regex(max_depth: int = 3, *, separators: tuple[str, str] = (", "
         raise ValueError(f"max_depth must be an int in 1..6 (the regex grows 4x per level), got {max_depth!r}")
     item_sep, key_sep = _check_separators(separators)
     return _Writer(item_sep, key_sep, max_depth).any_object(max_depth - 1)
+
+
+
+REF_PREFIXES = ("#/$defs/", "#/definitions/")    # where pydantic (and JSON Schema drafts) keep definitions
+DATA_KEYWORDS = {"enum", "const", "default", "examples"}   # their values are JSON data, not schemas
+NAMED_SCHEMAS = {"properties", "patternProperties", "dependentSchemas", "$defs", "definitions"}   # name -> schema
+
+
+def resolve_refs(schema: dict) -> dict:
+    """`schema` with each local `$ref` ("#/$defs/Name" or "#/definitions/Name") replaced by the
+    definition it names, and the root's `$defs` / `definitions` dropped: a copy schema_to_regex reads.
+
+    Why: pydantic writes an enum field or a nested model as {"$ref": "#/$defs/Color"} beside a root
+    "$defs", and the openai SDK sends it so (`chat.completions.parse(response_format=Model)`). Keywords
+    beside a $ref (a description) are kept. A recursive definition (a tree) has no regular expression
+    (a DFA cannot count brackets) and a remote $ref (a URL) is never fetched: both raise
+    UnsupportedSchemaError naming "$ref". A schema without $ref comes back equal to itself."""
+    if not isinstance(schema, dict):
+        raise UnsupportedSchemaError("schema", "#", f"a schema must be a JSON object, got {type(schema).__name__}")
+    defs: dict = {}
+    for key in ("$defs", "definitions"):
+        table = schema.get(key, {})
+        if not isinstance(table, dict):
+            raise UnsupportedSchemaError(key, "#", f"{key} must be an object of named schemas")
+        defs.update({f"#/{key}/{name}": sub for name, sub in table.items()})
+    root = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    return _inline(root, "#", defs, ())
+
+
+def _inline(node, path: str, defs: dict, seen: tuple[str, ...]):
+    """`node` with its $refs replaced (recursively); `seen`: the refs being expanded around it."""
+    if isinstance(node, list):
+        return [_inline(x, f"{path}/{i}", defs, seen) for i, x in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k in NAMED_SCHEMAS and isinstance(v, dict):      # {name: schema}: a property may be called "enum"
+            out[k] = {name: _inline(sub, f"{path}/{k}/{name}", defs, seen) for name, sub in v.items()}
+        elif k != "$ref":
+            out[k] = v if k in DATA_KEYWORDS else _inline(v, f"{path}/{k}", defs, seen)
+    if "$ref" not in node:
+        return out
+    ref = node["$ref"]
+    if not isinstance(ref, str) or not ref.startswith(REF_PREFIXES):
+        local = " or ".join(p + "<name>" for p in REF_PREFIXES)
+        raise UnsupportedSchemaError("$ref", path, f"only local references {local} are resolved, got {str(ref)[:40]!r}")
+    if ref not in defs:
+        raise UnsupportedSchemaError("$ref", path, f"{ref!r} names no definition")
+    if ref in seen:
+        raise UnsupportedSchemaError("$ref", path, f"{ref!r} is recursive: no regular expression holds it")
+    target = _inline(defs[ref], ref, defs, seen + (ref,))
+    if not isinstance(target, dict):
+        raise UnsupportedSchemaError("$ref", path, f"{ref!r} must name a schema object")
+    return {**target, **out}                                    # the keywords beside the $ref win
 
 
 def _check_separators(separators) -> tuple[str, str]:
