@@ -6,6 +6,7 @@ front-end links switch between). Drawing helpers live in `course.widgets.html`.
 from .batch_timeline import batch_timeline
 from .cache_blocks import cache_blocks
 from .explorer import MAX_STATES, Explorer, explorer
+from .grammar_trace import grammar_trace  # noqa: F401 - lab 13
 from .html import bar_table, cell_grid, legend, show_token
 from .prefix_blocks import prefix_blocks
 from .sampling_explorer import sampling_explorer
