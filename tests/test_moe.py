@@ -422,6 +422,27 @@ def test_experts_touched_against_the_uniform_formula():
     assert experts_touched(same, [1, 32], 8, trials=5) == {1: 0.25, 32: 0.25}, "one route for all: always k/E"
 
 
+def test_flow_plot_draws_tokens_experts_and_ranks():
+    import matplotlib
+    matplotlib.use("Agg")
+    from course.moe.plots import plot_flow
+    ids = torch.tensor([[0, 5], [3, 5], [5, 1]])
+    keep = torch.tensor([[True, True], [True, False], [True, True]])
+    fig = plot_flow(["a", "b", "c"], ids, torch.full((3, 2), 0.5), 8, world_size=2, keep=keep)
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert "expert 5: 2" in texts and "rank 0: 3 pairs" in texts and "rank 1: 2 pairs" in texts, texts
+    assert "1 pairs dropped" in ax.get_title()
+    dashed = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
+    assert len(dashed) == 1, "one dropped pair: one dashed line"
+    with pytest.raises(ValueError, match="len\\(tokens\\)"):
+        plot_flow(["a"], ids, None, 8)
+    with pytest.raises(ValueError, match="divide"):
+        plot_flow(["a", "b", "c"], ids, None, 8, world_size=3)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
 def test_record_routing_and_quality_on_a_tiny_model():
     model = moefy(tiny(), 4)
     text = torch.randint(0, 61, (80,), generator=torch.Generator().manual_seed(2)).tolist()

@@ -14,6 +14,7 @@ One mechanism per file:
     expert_parallel.py  experts sharded over ranks, all-to-all there and back
     stats.py            load per expert and per rank, imbalance, capacity drops, experts touched
     quality.py          perplexity vs k and vs capacity factor
+    plots.py            one batch's tokens flowing to experts and ranks (matplotlib; lab 14's plot)
 """
 from course.moe.dispatch import (Aligned, Sorted, align_block_size, capacity, capacity_keep, max_padded, moe_reference,
                                  moe_sorted, permute, sort_by_expert, swiglu, unpermute_combine)
