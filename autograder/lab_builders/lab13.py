@@ -38,7 +38,9 @@ in vLLM and SGLang, through libraries such as xgrammar, Outlines and llguidance.
 **Time:** about 3 hours 30 minutes: 45 minutes of reading, five problems (the automaton about 40
 minutes, the trie and its walk 35, the bitmask 20, the schema 35, jump-forward 30), 20 minutes for the
 written questions at the end, and about a minute and a half of running on a laptop CPU (80 s measured
-on 2 cores). **Hardware:** everything runs on a laptop CPU. On a GPU the model and the mask's application run
+on 2 cores).
+
+**Hardware:** everything runs on a laptop CPU. On a GPU the model and the mask's application run
 there; the automaton and the trie always run on the CPU, as in vLLM and SGLang.
 """),
 locked("colab_install", COLAB_INSTALL),
