@@ -69,6 +69,20 @@ def graded_class(request, tmp_path_factory):
     return graded
 
 
+# Modules holding the longest single tests (a Dask cluster, a JupyterHub, a wheel in a fresh venv,
+# lm-eval): collected first, so that `--dist loadgroup` hands them out early (after its groups, which it
+# sends largest first: the class, then the rest). Left for the end, one of them keeps one worker busy
+# while the other has nothing left to do. Each module keeps its own order (module fixtures set up once),
+# and a test in an xdist group is not moved (a group runs in collection order: the class's grading first).
+LONG_FIRST = ("test_grade_cluster.py", "test_hub.py", "test_install.py", "test_serve_openai.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: len(LONG_FIRST) if item.get_closest_marker("xdist_group")
+               else rank.get(item.path.name, len(LONG_FIRST)))     # stable
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
