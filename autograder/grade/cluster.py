@@ -53,6 +53,9 @@ RESOURCE = "course-grader"          # granted by SandboxCheck to a worker that p
 CODE_DIRS = ("course", "autograder")  # what a worker must hold the same of (plus the labs' notebooks)
 
 
+POLL_S = 5           # how often a wait for the next outcome checks that the client is still connected
+
+
 class ClusterLost(RuntimeError):
     """The scheduler went away during the run (what is recorded stays recorded)."""
 
@@ -302,10 +305,20 @@ class DaskCluster(_Backend):
         from distributed import wait as dask_wait
         from distributed.client import FuturesCancelledError
 
-        try:
-            return dask_wait(futures, return_when="FIRST_COMPLETED").done
-        except (FuturesCancelledError, CancelledError, OSError, TimeoutError) as e:
-            raise self._lost(e) from None
+        # In slices, checking the client between them: one that failed to reconnect closes itself and may
+        # leave its futures pending, and once it is closed dask's wait finds no client (a ValueError).
+        while True:
+            if self.client.status in ("closing", "closed"):
+                raise self._lost(RuntimeError("client closed"))
+            try:
+                return dask_wait(futures, timeout=POLL_S, return_when="FIRST_COMPLETED").done
+            except (TimeoutError, ValueError) as e:
+                if self.client.status in ("closing", "closed"):
+                    raise self._lost(e) from None
+                if isinstance(e, ValueError):
+                    raise
+            except (FuturesCancelledError, CancelledError, OSError) as e:
+                raise self._lost(e) from None
 
     def _lost(self, e: Exception) -> ClusterLost:
         return ClusterLost(f"the Dask scheduler at {self.address} went away ({type(e).__name__}); every outcome "

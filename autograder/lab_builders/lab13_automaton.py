@@ -522,7 +522,8 @@ with cases("token 0 is bit 0 of word 0"):
     assert w.tolist() == [[1, 2]], ("tokens 0 and 33 allowed: bit j of word i is token 32 i + j, so word 0 is 1 (bit 0) "
                                     f"and word 1 is 2 (bit 1); got {w.tolist()}")
 with cases("all allowed is -1 (bit 31 makes a word negative)"):
-    w = pack_bitmask(torch.ones(2, 64, dtype=torch.bool, device=dev))
+    w = expect_tensor(pack_bitmask(torch.ones(2, 64, dtype=torch.bool, device=dev)), "pack_bitmask((2, 64) bools)",
+                      dtype=torch.int32, shape=(2, 2), device=dev)
     assert w.tolist() == [[-1, -1], [-1, -1]], "32 bits set is -1 as int32 (two's complement)"
 with cases("apply: -inf where the bit is 0, in place"):
     logits = torch.arange(40, dtype=torch.float32, device=dev)[None].clone()

@@ -308,16 +308,18 @@ def constrained_generate(m, prompt_ids: list[int], grammar: Grammar, max_new_tok
 tests("jump_forward_tests", 4, r"""
 cases = Cases(points=4)
 person = Grammar.from_json_schema(PERSON, vocab)
+def forced(d, state):
+    return expect_type(forced_bytes(d, state), "forced_bytes(dfa, state)", bytes)
 with cases("(a) forced bytes of a JSON object"):
     d = person.dfa
-    got = expect_type(forced_bytes(d, d.walk(0, b"{")), "forced_bytes(dfa, state after '{')", bytes)
+    got = forced(d, d.walk(0, b"{"))
     assert got == b'"name": "', f"after '{{' the grammar forces '\"name\": \"' (the name's first character is free), got {got!r}"
-    assert forced_bytes(d, d.walk(0, b'{"name": "A')) == b"", "inside the name the next byte is free: nothing is forced"
+    assert forced(d, d.walk(0, b'{"name": "A')) == b"", "inside the name the next byte is free: nothing is forced"
 with cases("(a) an accepting state forces nothing"):
     d = compile_regex("ab(cd)?")
-    assert forced_bytes(d, 0) == b"ab", ("from the start of 'ab(cd)?', 'ab' is forced and nothing more: the state after "
+    assert forced(d, 0) == b"ab", ("from the start of 'ab(cd)?', 'ab' is forced and nothing more: the state after "
                                          "'ab' accepts, so stopping there is a choice")
-    assert forced_bytes(d, d.walk(0, b"ab")) == b"", ("after 'ab' the output may stop (the state accepts) or go on with "
+    assert forced(d, d.walk(0, b"ab")) == b"", ("after 'ab' the output may stop (the state accepts) or go on with "
                                                      "'cd': stopping is a choice, so nothing is forced")
 count = Grammar(compile_regex("[0-9]\n[0-9]\n[0-9]\n[0-9]"), vocab)
 count_prompt = tokenizer("Count down: 9\n8\n7\n").input_ids
@@ -351,7 +353,7 @@ with cases("(a) forced bytes equal xgrammar's jump-forward string, along a JSON 
     text = json.dumps({"name": "Ada", "age": 36, "city": "London"}).encode()
     st = 0
     for k in range(len(text) + 1):
-        ours = forced_bytes(person.dfa, st)
+        ours = forced(person.dfa, st)
         theirs = _m.find_jump_forward_string().encode()
         assert ours == theirs, f"after {text[:k]!r}: forced {ours!r}, xgrammar's jump-forward string is {theirs!r}"
         if k < len(text):
@@ -371,7 +373,7 @@ with cases("(a) forced bytes by brute force over the 256 bytes"):
                     break
                 exp.append(nxt[0])
                 s = d.step(s, nxt[0])
-            got = forced_bytes(d, d.walk(0, prefix))
+            got = forced(d, d.walk(0, prefix))
             assert got == bytes(exp), f"{p!r} after {prefix!r}: forced {got!r}, expected {bytes(exp)!r}"
 with cases("(b) the tokens equal the course's constrained generation"):
     prompt = tokenizer("A baker in Lyon, as JSON: ").input_ids          # short: a cheap prefill
