@@ -205,7 +205,16 @@ def test_custom_all_reduce_routes_through_the_inner_comm():
 
 # --- ranks as processes ------------------------------------------------------------------------------
 
-def _children() -> list[int]:
+_before: set[int] = set()     # this process's children when the test started (another test's browser driver)
+
+
+@pytest.fixture(autouse=True)
+def _children_before():
+    _before.clear()
+    _before.update(_all_children())
+
+
+def _all_children() -> list[int]:
     me = os.getpid()
     found = []
     for task in os.listdir(f"/proc/{me}/task"):
@@ -214,6 +223,11 @@ def _children() -> list[int]:
         except OSError:
             pass
     return found
+
+
+def _children() -> list[int]:
+    """This process's children that the running test started and left (a rank not reaped)."""
+    return [p for p in _all_children() if p not in _before]
 
 
 def test_launch_runs_processes_and_returns_in_rank_order(capsys):
